@@ -1,0 +1,179 @@
+"""What every family shares: the config, the forward over a stack of layers with a KV cache, and generation."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mot_jax.models.cache import KVCache
+from mot_jax.models.layers import GLOBAL_WINDOW, attention
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """One config for all families; each family reads the fields it needs (built from an HF config.json)."""
+
+    family: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    max_positions: int
+    norm_eps: float
+    activation: str
+    tie_embeddings: bool = True
+    bias: bool = True  # GPT-2 / OPT linear biases
+    qkv_bias: bool = False  # rotary families: q/k/v (Qwen2) and o_proj / MLP biases (Llama variants)
+    o_bias: bool = False
+    mlp_bias: bool = False
+    # Rotary families. `layer_windows[i]` is the sliding window of layer i (None: global attention); sliding
+    # layers use the local RoPE. Scalings are tuples of (key, value) items so the config stays hashable.
+    rope_theta: float = 10000.0
+    rope_scaling: tuple = ()
+    local_rope_theta: float = 10000.0
+    local_rope_scaling: tuple = ()
+    layer_windows: tuple = ()
+    # GPT-2
+    scale_attn_by_inverse_layer_idx: bool = False
+    # OPT
+    pre_norm: bool = True
+    final_norm: bool = True
+    word_embed_proj_dim: int = 0
+    # Gemma-3
+    qk_norm: bool = False
+    sandwich_norms: bool = False
+    unit_offset_norms: bool = False  # (1 + w) RMSNorm scales
+    embed_scale: float = 1.0
+    query_scale: float = 0.0  # 0: head_dim ** -0.5
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    bos_token_id: int | None = None
+    eos_token_id: Any = None  # int or tuple of ints
+    pad_token_id: int | None = None
+
+    @property
+    def windows(self):
+        """Per-layer sliding windows as ints (GLOBAL_WINDOW for global layers)."""
+        windows = self.layer_windows or (None,) * self.num_layers
+        return tuple(GLOBAL_WINDOW if w is None else int(w) for w in windows)
+
+    @property
+    def eos_ids(self):
+        eos = self.eos_token_id
+        return () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
+
+
+class LayerCache:
+    """One layer's view of the cache inside the layer scan: a block calls `attend` with its new q, k, v.
+
+    It writes the new k, v into the full cache at (layer, index) and attends over every slot; the updated cache
+    arrays are read back from it after the block has run (trace-time bookkeeping, no Python state at run time).
+    """
+
+    def __init__(self, k_all, v_all, layer, index, q_pos, cache: KVCache):
+        self.k_all, self.v_all, self.layer, self.index = k_all, v_all, layer, index
+        self.q_pos, self.k_pos, self.k_valid = q_pos, cache.positions, cache.valid
+
+    def attend(self, q, k, v, *, scale, window=GLOBAL_WINDOW, softcap=None):
+        """q: [B, T, H, d], k/v: [B, T, K, d] for the new tokens; returns [B, T, H * d]."""
+        at = (self.layer, 0, 0, self.index, 0)
+        self.k_all = jax.lax.dynamic_update_slice(self.k_all, k.transpose(0, 2, 1, 3)[None], at)
+        self.v_all = jax.lax.dynamic_update_slice(self.v_all, v.transpose(0, 2, 1, 3)[None], at)
+        k_layer = jax.lax.dynamic_index_in_dim(self.k_all, self.layer, keepdims=False)
+        v_layer = jax.lax.dynamic_index_in_dim(self.v_all, self.layer, keepdims=False)
+        return attention(
+            q, k_layer, v_layer, self.q_pos, self.k_pos, self.k_valid, scale=scale, window=window, softcap=softcap
+        )
+
+
+class CausalLM(nnx.Module):
+    """Base of every family. A family defines `embed`, `layers` (a stacked block), `final_norm` and `unembed`.
+
+    Forward: `logits, cache = model(input_ids, attention_mask=None, positions=None, cache=None)`.
+    - input_ids [B, T]; attention_mask [B, T] (1 = token, 0 = padding, left or right).
+    - positions [B, T] default to counting valid tokens, continuing from the cache.
+    - cache: a `KVCache` to extend (None: a new one holding exactly these T tokens). The returned cache holds
+      the new tokens' K/V at slots [index, index + T).
+    """
+
+    config: ModelConfig
+
+    def init_cache(self, batch, capacity, dtype=None):
+        cfg = self.config
+        dtype = dtype or self.param_dtype
+        return KVCache.init(cfg.num_layers, batch, cfg.num_kv_heads, capacity, cfg.head_dim, dtype)
+
+    def __call__(self, input_ids, attention_mask=None, positions=None, cache=None, logits_to_keep=None):
+        hidden, cache = self.hidden_states(input_ids, attention_mask, positions, cache)
+        if logits_to_keep:
+            hidden = hidden[:, -logits_to_keep:]
+        return self.unembed(hidden), cache
+
+    def hidden_states(self, input_ids, attention_mask=None, positions=None, cache=None):
+        """The final-normed hidden states [B, T, D] and the extended cache."""
+        batch, length = input_ids.shape
+        mask = jnp.ones((batch, length), bool) if attention_mask is None else attention_mask.astype(bool)
+        if cache is None:
+            cache = self.init_cache(batch, length)
+        if positions is None:
+            positions = cache.next_positions()[:, None] + jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
+        cache = cache.append_slots(positions, mask)
+        x = self.embed(input_ids, positions)
+
+        graphdef, stacked = nnx.split(self.layers)
+
+        def body(carry, xs):
+            x, k_all, v_all = carry
+            layer_params, layer = xs
+            layer_cache = LayerCache(k_all, v_all, layer, cache.index, positions, cache)
+            x = nnx.merge(graphdef, layer_params)(x, positions, layer, layer_cache)
+            return (x, layer_cache.k_all, layer_cache.v_all), None
+
+        xs = (stacked, jnp.arange(self.config.num_layers))
+        (x, k, v), _ = jax.lax.scan(body, (x, cache.k, cache.v), xs)
+        cache = cache.replace(k=k, v=v, index=cache.index + length)
+        return self.final_norm(x), cache
+
+    def final_norm(self, x):
+        return x
+
+
+def last_valid_index(mask):
+    """[B] index of each row's last valid token (works for left and right padding)."""
+    length = mask.shape[1]
+    return length - 1 - jnp.argmax(mask[:, ::-1].astype(jnp.int32), axis=1)
+
+
+@functools.partial(nnx.jit, static_argnames=("max_new_tokens",))
+def generate(model, input_ids, attention_mask=None, *, max_new_tokens):
+    """Greedy decoding: one jitted prefill into a preallocated cache, then a scan of single-token steps.
+
+    Returns [B, max_new_tokens] token ids; after a row emits an end-of-sequence token it repeats it.
+    """
+    batch, length = input_ids.shape
+    mask = jnp.ones((batch, length), bool) if attention_mask is None else attention_mask.astype(bool)
+    cache = model.init_cache(batch, length + max_new_tokens)
+    hidden, cache = model.hidden_states(input_ids, mask, cache=cache)
+    last = hidden[jnp.arange(batch), last_valid_index(mask)]
+    first = jnp.argmax(model.unembed(last), axis=-1).astype(jnp.int32)
+    eos = jnp.asarray(model.config.eos_ids or (-1,), jnp.int32)
+
+    def step(carry, _):
+        token, done, cache = carry
+        logits, cache = model(token[:, None], cache=cache)
+        new = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)
+        done = done | jnp.isin(token, eos)
+        new = jnp.where(done, token, new)
+        return (new, done, cache), new
+
+    done = jnp.zeros((batch,), bool)
+    _, rest = jax.lax.scan(step, (first, done, cache), None, length=max_new_tokens - 1)
+    return jnp.concatenate([first[:, None], rest.T], axis=1)

@@ -1,0 +1,58 @@
+"""The KV cache: one pytree for all families, preallocated, written in place at a moving index."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+
+@struct.dataclass
+class KVCache:
+    """Keys and values of every layer, in the Hugging Face per-layer layout [B, kv_heads, S, head_dim].
+
+    Keys are stored as the attention uses them: after RoPE (and after q/k norm) where the family has those,
+    exactly like a transformers cache. `positions` and `valid` describe each slot, so left or right padding and
+    sliding windows are masks, not special cases. Slots at `index` and beyond are free.
+    """
+
+    k: jax.Array  # [L, B, K, S, d]
+    v: jax.Array  # [L, B, K, S, d]
+    positions: jax.Array  # [B, S] int32, the token position held in each slot
+    valid: jax.Array  # [B, S] bool, False for padding and free slots
+    index: jax.Array  # int32 scalar, the next slot to write
+
+    AXES = ("layers", "batch", "kv_heads", "seq", "head_dim")
+
+    @classmethod
+    def init(cls, num_layers, batch, kv_heads, capacity, head_dim, dtype):
+        kv = jnp.zeros((num_layers, batch, kv_heads, capacity, head_dim), dtype)
+        return cls(
+            k=kv,
+            v=kv,
+            positions=jnp.zeros((batch, capacity), jnp.int32),
+            valid=jnp.zeros((batch, capacity), bool),
+            index=jnp.zeros((), jnp.int32),
+        )
+
+    @classmethod
+    def logical_axes(cls):
+        """The same pytree with each leaf's logical axis names, for the sharding rules."""
+        return cls(k=cls.AXES, v=cls.AXES, positions=("batch", "seq"), valid=("batch", "seq"), index=())
+
+    @property
+    def capacity(self):
+        return self.k.shape[3]
+
+    def next_positions(self):
+        """[B] the position that follows each row's last valid token (0 for an empty row)."""
+        return jnp.max(jnp.where(self.valid, self.positions, -1), axis=1) + 1
+
+    def append_slots(self, positions, mask):
+        """Record the positions and validity of T new tokens at slots [index, index + T)."""
+        at = (0, self.index)
+        return self.replace(
+            positions=jax.lax.dynamic_update_slice(self.positions, positions.astype(jnp.int32), at),
+            valid=jax.lax.dynamic_update_slice(self.valid, mask.astype(bool), at),
+        )
+

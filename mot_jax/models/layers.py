@@ -1,0 +1,158 @@
+"""Layers shared by every family: parameters with logical axis names, norms, RoPE and cached attention.
+
+Parameters of the decoder blocks carry a leading `layers` axis (one array per weight for the whole stack), so
+the forward pass is one `jax.lax.scan` over layers; inside the scan a block sees one layer's slice and the code
+below is written for that slice.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+# Keys outside the window / causal mask get this logit: finite, so a query with no visible key (a padding
+# position) gives a uniform softmax instead of NaN.
+MASK_VALUE = -1e30
+GLOBAL_WINDOW = 2**30  # "no sliding window" as an int, so per-layer windows can live in one array
+
+
+def param(key, shape, names, dtype, init="normal", std=0.02):
+    """An `nnx.Param` with logical axis names (mapped to mesh axes by the sharding rules, not here)."""
+    assert len(shape) == len(names), (shape, names)
+    if init == "normal":
+        value = std * jax.random.normal(key, shape, jnp.float32)
+    elif init == "ones":
+        value = jnp.ones(shape, jnp.float32)
+    else:
+        value = jnp.zeros(shape, jnp.float32)
+    return nnx.Param(value.astype(dtype), out_sharding=tuple(names), eager_sharding=False)
+
+
+class Linear(nnx.Module):
+    """y = x @ kernel + bias, kernel stored [in, out] (HF torch Linear weights are transposed on load)."""
+
+    def __init__(self, din, dout, names, *, rngs, dtype, bias=True, lead=()):
+        lead_names = ("layers",) * len(lead)
+        self.kernel = param(rngs.params(), (*lead, din, dout), lead_names + names, dtype)
+        self.bias = param(rngs.params(), (*lead, dout), lead_names + names[1:], dtype, "zeros") if bias else None
+
+    def __call__(self, x):
+        y = x @ self.kernel[...]
+        return y if self.bias is None else y + self.bias[...]
+
+
+class Embed(nnx.Module):
+    def __init__(self, num, dim, names, *, rngs, dtype):
+        self.embedding = param(rngs.params(), (num, dim), names, dtype)
+
+    def __call__(self, ids):
+        return jnp.take(self.embedding[...], ids, axis=0)
+
+    def attend(self, x):
+        """Tied output head: logits against the embedding matrix."""
+        return x @ self.embedding[...].T
+
+
+class LayerNorm(nnx.Module):
+    def __init__(self, dim, eps, *, rngs, dtype, lead=(), affine=True):
+        names = ("layers",) * len(lead) + ("embed",)
+        self.eps = eps
+        self.scale = param(None, (*lead, dim), names, dtype, "ones") if affine else None
+        self.bias = param(None, (*lead, dim), names, dtype, "zeros") if affine else None
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        mean = x32.mean(-1, keepdims=True)
+        var = jnp.square(x32 - mean).mean(-1, keepdims=True)
+        y = ((x32 - mean) * jax.lax.rsqrt(var + self.eps)).astype(x.dtype)
+        return y if self.scale is None else y * self.scale[...] + self.bias[...]
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm; `unit_offset` gives Gemma's (1 + w) scale, computed in fp32 before the cast as Gemma does."""
+
+    def __init__(self, dim, eps, *, rngs, dtype, lead=(), unit_offset=False, names=("embed",)):
+        self.eps, self.unit_offset = eps, unit_offset
+        init = "zeros" if unit_offset else "ones"
+        self.scale = param(None, (*lead, dim), ("layers",) * len(lead) + names, dtype, init)
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), -1, keepdims=True) + self.eps)
+        if self.unit_offset:
+            return (y * (1.0 + self.scale[...].astype(jnp.float32))).astype(x.dtype)
+        return self.scale[...] * y.astype(x.dtype)
+
+
+def activation(name):
+    acts = {
+        "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
+        "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+        "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+        "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+        "relu": jax.nn.relu,
+        "silu": jax.nn.silu,
+        "swish": jax.nn.silu,
+    }
+    if name not in acts:
+        raise ValueError(f"unsupported activation {name!r}; supported: {sorted(acts)}")
+    return acts[name]
+
+
+# ---------------------------------------------------------------------------------------------------- RoPE
+
+
+def rope_inv_freq(head_dim, theta, scaling=None):
+    """Inverse frequencies as transformers computes them, for rope types default, linear and llama3."""
+    inv = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    kind = (scaling or {}).get("rope_type", "default")
+    if kind == "default":
+        return inv
+    if kind == "linear":
+        return inv / scaling["factor"]
+    if kind == "llama3":
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        scaled = jnp.where(wavelen > old_len / low, inv / factor, inv)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return jnp.where(medium, smoothed, scaled)
+    raise ValueError(f"unsupported rope_type {kind!r}; supported: default, linear, llama3")
+
+
+def apply_rope(x, positions, inv_freq):
+    """Rotate-half RoPE (the HF layout). x: [B, T, H, d]; positions: [B, T]; inv_freq: [d/2]."""
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, d/2]
+    cos = jnp.concatenate([jnp.cos(angles)] * 2, -1)[:, :, None, :].astype(x.dtype)
+    sin = jnp.concatenate([jnp.sin(angles)] * 2, -1)[:, :, None, :].astype(x.dtype)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    return x * cos + jnp.concatenate([-x2, x1], -1) * sin
+
+
+# ---------------------------------------------------------------------------------------------- attention
+
+
+def attention(q, k, v, q_pos, k_pos, k_valid, *, scale, window=GLOBAL_WINDOW, softcap=None):
+    """Causal (by position) attention with GQA, padding, sliding window and optional logit soft-cap.
+
+    q: [B, T, H, d]; k, v: [B, K, S, d] (the cache layout); q_pos: [B, T]; k_pos, k_valid: [B, S].
+    A key is visible when it is valid, not after the query, and less than `window` positions behind it.
+    Returns [B, T, H * d].
+    """
+    b, t, h, d = q.shape
+    kv_heads = k.shape[1]
+    q = q.reshape(b, t, kv_heads, h // kv_heads, d)
+    logits = jnp.einsum("btkgd,bksd->bkgts", q, k, preferred_element_type=jnp.float32) * scale
+    if softcap is not None:
+        logits = jnp.tanh(logits / softcap) * softcap
+    delta = q_pos[:, :, None] - k_pos[:, None, :]  # [B, T, S]
+    visible = k_valid[:, None, :] & (delta >= 0) & (delta < window)
+    logits = jnp.where(visible[:, None, None], logits, MASK_VALUE)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bksd->btkgd", probs, v)
+    return out.reshape(b, t, h * v.shape[-1])

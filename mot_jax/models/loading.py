@@ -1,0 +1,217 @@
+"""Load a Hugging Face checkpoint (hub id or local directory) into our Flax models, and write it back.
+
+Every tensor goes through the family's mapping table and is shape-checked; a missing, unexpected, unreadable or
+mis-shaped tensor is a `MotJaxError` that names it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from mot_jax.errors import MotJaxError
+from mot_jax.models import decoder, gemma3, gpt2, llama, opt, qwen2
+from mot_jax.models.base import ModelConfig
+
+# model_type in config.json -> (family module, model class)
+FAMILIES = {
+    "gpt2": (gpt2, gpt2.GPT2),
+    "opt": (opt, opt.OPT),
+    "qwen2": (qwen2, decoder.RotaryLM),
+    "llama": (llama, decoder.RotaryLM),
+    "gemma3_text": (gemma3, decoder.RotaryLM),
+}
+FAMILY_BY_NAME = {module.__name__.rsplit(".", 1)[1]: entry for entry in FAMILIES.values() for module in entry[:1]}
+# Tensors in checkpoints that are not parameters: causal-mask buffers (old GPT-2), cached RoPE frequencies.
+IGNORED = (r"\.attn\.(bias|masked_bias)$", r"rotary_emb\.inv_freq$")
+DTYPES = {"float32": jnp.float32, "fp32": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16}
+
+
+def resolve_dtype(dtype):
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise MotJaxError(f"Unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}.")
+        return DTYPES[dtype]
+    return dtype
+
+
+def resolve_model_dir(name_or_path: str) -> Path:
+    """A local directory as is; otherwise a Hugging Face hub id, fetched (config, weights, tokenizer) if possible."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return path
+    looks_like_path = name_or_path.startswith((".", "/", "~")) or os.sep in name_or_path.strip("/").split("/", 1)[-1]
+    if path.exists() or looks_like_path or name_or_path.count("/") > 1:
+        raise MotJaxError(f"Model path {name_or_path!r} is not a directory; pass an existing checkpoint directory.")
+    try:
+        from huggingface_hub import snapshot_download
+
+        patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken"]
+        return Path(snapshot_download(name_or_path, allow_patterns=patterns))
+    except Exception as e:  # no network, unknown id, gated repo ...
+        raise MotJaxError(
+            f"Model {name_or_path!r} is neither a local directory nor downloadable from the Hugging Face hub "
+            f"({type(e).__name__}); pass a local checkpoint directory."
+        ) from None
+
+
+def read_config(model_dir: Path) -> tuple[dict, ModelConfig]:
+    config_path = model_dir / "config.json"
+    if not config_path.is_file():
+        raise MotJaxError(f"{model_dir} has no config.json; pass a Hugging Face checkpoint directory.")
+    try:
+        d = json.loads(config_path.read_text())
+    except json.JSONDecodeError as e:
+        raise MotJaxError(f"{config_path} is not valid JSON ({e}); restore the file from the original checkpoint.")
+    model_type = d.get("model_type")
+    if model_type not in FAMILIES:
+        raise MotJaxError(
+            f"Architecture {model_type!r} in {config_path} is not supported; supported: {', '.join(FAMILIES)}."
+        )
+    try:
+        return d, FAMILIES[model_type][0].config_from_hf(d)
+    except KeyError as e:
+        raise MotJaxError(f"{config_path} lacks the field {e.args[0]!r} that a {model_type} config needs.") from None
+
+
+class TensorSource:
+    """Lazy access to a checkpoint's tensors by HF name (safetensors, sharded or not; or pytorch_model.bin)."""
+
+    def __init__(self, model_dir: Path, base_prefix: str):
+        self.files: dict[str, Path] = {}
+        index = next((model_dir / n for n in ("model.safetensors.index.json",) if (model_dir / n).is_file()), None)
+        if index is not None:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self.files = {name: model_dir / f for name, f in weight_map.items()}
+            self.kind = "safetensors"
+        elif (model_dir / "model.safetensors").is_file():
+            self.kind = "safetensors"
+            self.files = {name: model_dir / "model.safetensors" for name in self._safetensors_keys(model_dir / "model.safetensors")}
+        elif list(model_dir.glob("pytorch_model*.bin")):
+            self.kind = "torch"
+            self.torch_tensors = self._load_torch_bins(sorted(model_dir.glob("pytorch_model*.bin")))
+            self.files = {name: None for name in self.torch_tensors}
+        else:
+            raise MotJaxError(f"{model_dir} has no model.safetensors(.index.json) or pytorch_model.bin weights.")
+        # Names without the base-model prefix ("transformer.", "model."), which some checkpoints omit.
+        self.by_name = {(n[len(base_prefix) :] if n.startswith(base_prefix) else n): n for n in self.files}
+        self._open = {}
+
+    @staticmethod
+    def _safetensors_keys(path):
+        from safetensors import safe_open
+
+        try:
+            with safe_open(path, "np") as f:
+                return list(f.keys())
+        except Exception as e:
+            raise MotJaxError(f"Cannot read {path} ({e}); the file is corrupt or truncated, download it again.") from None
+
+    @staticmethod
+    def _load_torch_bins(paths):
+        try:
+            import torch
+        except ImportError:
+            raise MotJaxError("This checkpoint has only pytorch_model.bin; install torch or convert it to safetensors.") from None
+        tensors = {}
+        for p in paths:
+            try:
+                state = torch.load(p, map_location="cpu", weights_only=True)
+            except Exception as e:
+                raise MotJaxError(f"Cannot read {p} ({type(e).__name__}); the file is corrupt, download it again.") from None
+            tensors.update({k: v.float().numpy() if v.is_floating_point() else v.numpy() for k, v in state.items()})
+        return tensors
+
+    def names(self):
+        return set(self.by_name)
+
+    def get(self, name) -> np.ndarray:
+        full = self.by_name[name]
+        if self.kind == "torch":
+            return self.torch_tensors[full]
+        from safetensors import safe_open
+
+        path = self.files[full]
+        try:
+            if path not in self._open:
+                self._open[path] = safe_open(path, "np")
+            return self._open[path].get_tensor(full)
+        except Exception as e:
+            raise MotJaxError(f"Cannot read tensor {full!r} from {path} ({e}); the file is corrupt, download it again.") from None
+
+
+def build_model(cfg: ModelConfig, dtype=jnp.float32, seed=0, abstract=False):
+    """A randomly initialised model of this config (or its abstract shapes with `abstract=True`)."""
+    _, cls = FAMILY_BY_NAME[cfg.family]
+    make = lambda: cls(cfg, rngs=nnx.Rngs(seed), dtype=dtype)  # noqa: E731
+    return nnx.eval_shape(make) if abstract else make()
+
+
+def flat_params(model) -> dict:
+    """{dotted path: Param} of a model."""
+    return {".".join(map(str, path)): var for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+
+def load_params_into(model, source: TensorSource, table, ignored=()):
+    """Fill an (abstract) model's params from `source` through `table`; checks names and shapes."""
+    cfg, dtype = model.config, model.param_dtype
+    params = flat_params(model)
+    filled = set()
+    unused = source.names()
+    missing = [r.hf for r in table if (r.hf.format(i=0) if r.per_layer else r.hf) not in unused]
+    if missing:
+        raise MotJaxError(f"The checkpoint lacks tensor {missing[0]!r} (and {len(missing) - 1} more) that a {cfg.family} model needs.")
+    for rule in table:
+        names = [rule.hf.format(i=i) for i in range(cfg.num_layers)] if rule.per_layer else [rule.hf]
+        target = params[rule.ours]
+        expected = target.shape[1:] if rule.per_layer else target.shape
+        slices = []
+        for name in names:
+            if name not in source.by_name:
+                raise MotJaxError(f"The checkpoint lacks tensor {name!r} that a {cfg.family} model needs.")
+            value = rule.to_ours(source.get(name))
+            if value.shape != tuple(expected):
+                raise MotJaxError(
+                    f"Tensor {name!r} has shape {value.shape} after conversion but the config implies {tuple(expected)}; "
+                    "the weights do not match config.json."
+                )
+            slices.append(value)
+            unused.discard(name)
+        target.set_value(jnp.asarray(np.stack(slices) if rule.per_layer else slices[0], dtype=dtype))
+        filled.add(rule.ours)
+    unexpected = sorted(n for n in unused if not any(re.search(p, n) for p in ignored))
+    if unexpected:
+        raise MotJaxError(f"The checkpoint has tensor {unexpected[0]!r} (and {len(unexpected) - 1} more) that a {cfg.family} model does not use.")
+    assert filled == set(params), f"the {cfg.family} mapping table misses {set(params) - filled}"
+    return model
+
+
+def load_model(name_or_path: str, dtype="float32"):
+    """(model, config dict) from a Hugging Face hub id or checkpoint directory; fp32 or bf16."""
+    dtype = resolve_dtype(dtype)
+    model_dir = resolve_model_dir(name_or_path)
+    hf_config, cfg = read_config(model_dir)
+    module, _ = FAMILY_BY_NAME[cfg.family]
+    source = TensorSource(model_dir, module.BASE_PREFIX)
+    ignored = IGNORED + ((r"^lm_head\.weight$",) if cfg.tie_embeddings else ())
+    model = load_params_into(build_model(cfg, dtype, abstract=True), source, module.hf_table(cfg), ignored)
+    return model, hf_config
+
+
+def hf_state_dict(model) -> dict[str, np.ndarray]:
+    """Our params as HF tensors (names with the base-model prefix), the reverse of `load_model`."""
+    from mot_jax.models.mapping import to_hf_state_dict
+
+    cfg = model.config
+    module, _ = FAMILY_BY_NAME[cfg.family]
+    flat = {path: np.asarray(jax.device_get(var[...])) for path, var in flat_params(model).items()}
+    tensors = to_hf_state_dict(flat, module.hf_table(cfg), cfg.num_layers)
+    prefix = module.BASE_PREFIX
+    return {(n if n.startswith("lm_head") else prefix + n): t for n, t in tensors.items()}
