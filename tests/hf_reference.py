@@ -13,8 +13,14 @@ CONFIGS = {
     "gpt2": {
         "base": lambda: transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, n_positions=64, **TINY),
         "inverse_layer_scale": lambda: transformers.GPT2Config(
-            n_layer=3, n_embd=48, n_head=3, n_positions=64, scale_attn_by_inverse_layer_idx=True,
-            activation_function="gelu", n_inner=80, **TINY,
+            n_layer=3,
+            n_embd=48,
+            n_head=3,
+            n_positions=64,
+            scale_attn_by_inverse_layer_idx=True,
+            activation_function="gelu",
+            n_inner=80,
+            **TINY,
         ),
     },
     "opt": {
@@ -23,41 +29,86 @@ CONFIGS = {
         ),
         # opt-350m style: post-LN and project_in / project_out
         "post_ln_projected": lambda: transformers.OPTConfig(
-            num_hidden_layers=3, hidden_size=32, num_attention_heads=4, ffn_dim=64, max_position_embeddings=64,
-            word_embed_proj_dim=16, do_layer_norm_before=False, **TINY,
+            num_hidden_layers=3,
+            hidden_size=32,
+            num_attention_heads=4,
+            ffn_dim=64,
+            max_position_embeddings=64,
+            word_embed_proj_dim=16,
+            do_layer_norm_before=False,
+            **TINY,
         ),
     },
     "qwen2": {
         "tied_gqa": lambda: transformers.Qwen2Config(
-            num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
-            tie_word_embeddings=True, rope_theta=1e6, **TINY,
+            num_hidden_layers=2,
+            hidden_size=32,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=64,
+            tie_word_embeddings=True,
+            rope_theta=1e6,
+            **TINY,
         ),
         "untied_sliding": lambda: transformers.Qwen2Config(
-            num_hidden_layers=3, hidden_size=48, num_attention_heads=6, num_key_value_heads=1, intermediate_size=64,
-            tie_word_embeddings=False, use_sliding_window=True, sliding_window=5, max_window_layers=1,
-            rms_norm_eps=1e-5, **TINY,
+            num_hidden_layers=3,
+            hidden_size=48,
+            num_attention_heads=6,
+            num_key_value_heads=1,
+            intermediate_size=64,
+            tie_word_embeddings=False,
+            use_sliding_window=True,
+            sliding_window=5,
+            max_window_layers=1,
+            rms_norm_eps=1e-5,
+            **TINY,
         ),
     },
     "llama": {
         # Llama-3.2 style: llama3 RoPE scaling (short original context so every band is exercised), untied head
         "llama3_rope": lambda: transformers.LlamaConfig(
-            num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
-            rope_theta=500000.0, tie_word_embeddings=False,
-            rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                              original_max_position_embeddings=8),
+            num_hidden_layers=2,
+            hidden_size=32,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=64,
+            rope_theta=500000.0,
+            tie_word_embeddings=False,
+            rope_scaling=dict(
+                rope_type="llama3",
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=8,
+            ),
             **TINY,
         ),
         "biases_tied": lambda: transformers.LlamaConfig(
-            num_hidden_layers=2, hidden_size=48, num_attention_heads=3, num_key_value_heads=3, intermediate_size=64,
-            attention_bias=True, mlp_bias=True, tie_word_embeddings=True, head_dim=24, **TINY,
+            num_hidden_layers=2,
+            hidden_size=48,
+            num_attention_heads=3,
+            num_key_value_heads=3,
+            intermediate_size=64,
+            attention_bias=True,
+            mlp_bias=True,
+            tie_word_embeddings=True,
+            head_dim=24,
+            **TINY,
         ),
     },
     "gemma3": {
         # sliding window (4) shorter than the test sequence (12), 2:1 local/global, linear scaling on global
         "sliding_softcap": lambda: transformers.Gemma3TextConfig(
-            num_hidden_layers=3, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-            intermediate_size=64, sliding_window=4, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
-            query_pre_attn_scalar=24, final_logit_softcapping=15.0,  # transformers ignores attn soft-cap
+            num_hidden_layers=3,
+            hidden_size=32,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            intermediate_size=64,
+            sliding_window=4,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            query_pre_attn_scalar=24,
+            final_logit_softcapping=15.0,  # transformers ignores attn soft-cap
             rope_parameters=dict(
                 full_attention=dict(rope_type="linear", factor=2.0, rope_theta=1e6),
                 sliding_attention=dict(rope_type="default", rope_theta=1e4),
@@ -73,7 +124,7 @@ def save_tiny(config, path, seed=0, dtype=torch.float32):
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
     with torch.no_grad():  # random (non-zero) norms and biases, so a wrong mapping cannot hide behind init values
-        for name, p in model.named_parameters():
+        for _name, p in model.named_parameters():
             if p.ndim == 1:
                 p.add_(0.1 * torch.randn_like(p))
     model.to(dtype).save_pretrained(path)
@@ -101,10 +152,10 @@ def run_reference(model, ids, mask):
             input_ids=torch.tensor(ids),
             attention_mask=torch.tensor(mask),
             position_ids=torch.tensor(positions_for(mask)),
-            past_key_values=transformers.DynamicCache(),  # no config: full (not window-cropped) layers
+            cache=transformers.DynamicCache(),  # no config: full (not window-cropped) layers
             use_cache=True,
         )
-    cache = out.past_key_values
+    cache = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
     k = np.stack([layer.keys.float().numpy() for layer in cache.layers])
     v = np.stack([layer.values.float().numpy() for layer in cache.layers])
     return out.logits.float().numpy(), k, v

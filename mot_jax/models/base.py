@@ -152,11 +152,12 @@ def last_valid_index(mask):
     return length - 1 - jnp.argmax(mask[:, ::-1].astype(jnp.int32), axis=1)
 
 
-@functools.partial(nnx.jit, static_argnames=("max_new_tokens",))
-def generate(model, input_ids, attention_mask=None, *, max_new_tokens):
+@functools.partial(nnx.jit, static_argnames=("max_new_tokens", "eos_ids"))
+def generate(model, input_ids, attention_mask=None, *, max_new_tokens, eos_ids=None):
     """Greedy decoding: one jitted prefill into a preallocated cache, then a scan of single-token steps.
 
-    Returns [B, max_new_tokens] token ids; after a row emits an end-of-sequence token it repeats it.
+    Returns [B, max_new_tokens] token ids; after a row emits an end-of-sequence token (`eos_ids`, a tuple,
+    default the config's; `()` never stops) it repeats that token.
     """
     batch, length = input_ids.shape
     mask = jnp.ones((batch, length), bool) if attention_mask is None else attention_mask.astype(bool)
@@ -164,7 +165,7 @@ def generate(model, input_ids, attention_mask=None, *, max_new_tokens):
     hidden, cache = model.hidden_states(input_ids, mask, cache=cache)
     last = hidden[jnp.arange(batch), last_valid_index(mask)]
     first = jnp.argmax(model.unembed(last), axis=-1).astype(jnp.int32)
-    eos = jnp.asarray(model.config.eos_ids or (-1,), jnp.int32)
+    eos = jnp.asarray((model.config.eos_ids if eos_ids is None else eos_ids) or (-1,), jnp.int32)
 
     def step(carry, _):
         token, done, cache = carry

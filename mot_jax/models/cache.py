@@ -55,4 +55,3 @@ class KVCache:
             positions=jax.lax.dynamic_update_slice(self.positions, positions.astype(jnp.int32), at),
             valid=jax.lax.dynamic_update_slice(self.valid, mask.astype(bool), at),
         )
-

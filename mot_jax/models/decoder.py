@@ -97,7 +97,12 @@ class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs, dtype):
         self.cfg = cfg
         norm = lambda: RMSNorm(  # noqa: E731
-            cfg.hidden_size, cfg.norm_eps, rngs=rngs, dtype=dtype, lead=(cfg.num_layers,), unit_offset=cfg.unit_offset_norms
+            cfg.hidden_size,
+            cfg.norm_eps,
+            rngs=rngs,
+            dtype=dtype,
+            lead=(cfg.num_layers,),
+            unit_offset=cfg.unit_offset_norms,
         )
         self.input_layernorm = norm()
         self.self_attn = Attention(cfg, rngs=rngs, dtype=dtype)
@@ -140,7 +145,9 @@ class RotaryLM(CausalLM):
         self.layers = Block(cfg, rngs=rngs, dtype=dtype)
         self.norm = RMSNorm(D, cfg.norm_eps, rngs=rngs, dtype=dtype, unit_offset=cfg.unit_offset_norms)
         tied = cfg.tie_embeddings
-        self.lm_head = None if tied else Linear(D, cfg.vocab_size, ("embed", "vocab"), rngs=rngs, dtype=dtype, bias=False)
+        self.lm_head = (
+            None if tied else Linear(D, cfg.vocab_size, ("embed", "vocab"), rngs=rngs, dtype=dtype, bias=False)
+        )
 
     def embed(self, ids, positions):
         x = self.embed_tokens(ids)
@@ -173,7 +180,11 @@ def hf_table(cfg: ModelConfig):
         mapping.Rule("embed_tokens.weight", "embed_tokens.embedding"),
         *attn,
         *[r for n in norms for r in mapping.norm(layer + n, "layers." + n, bias=False)],
-        *[r for p in ("gate_proj", "up_proj", "down_proj") for r in mapping.linear(f"{layer}mlp.{p}", f"layers.mlp.{p}", cfg.mlp_bias)],
+        *[
+            r
+            for p in ("gate_proj", "up_proj", "down_proj")
+            for r in mapping.linear(f"{layer}mlp.{p}", f"layers.mlp.{p}", cfg.mlp_bias)
+        ],
         *mapping.norm("norm", "norm", bias=False),
     ]
     if not cfg.tie_embeddings:

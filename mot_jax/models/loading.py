@@ -69,7 +69,7 @@ def read_config(model_dir: Path) -> tuple[dict, ModelConfig]:
     try:
         d = json.loads(config_path.read_text())
     except json.JSONDecodeError as e:
-        raise MotJaxError(f"{config_path} is not valid JSON ({e}); restore the file from the original checkpoint.")
+        raise MotJaxError(f"{config_path} is not valid JSON ({e}); restore it from the original checkpoint.") from None
     model_type = d.get("model_type")
     if model_type not in FAMILIES:
         raise MotJaxError(
@@ -93,7 +93,10 @@ class TensorSource:
             self.kind = "safetensors"
         elif (model_dir / "model.safetensors").is_file():
             self.kind = "safetensors"
-            self.files = {name: model_dir / "model.safetensors" for name in self._safetensors_keys(model_dir / "model.safetensors")}
+            self.files = {
+                name: model_dir / "model.safetensors"
+                for name in self._safetensors_keys(model_dir / "model.safetensors")
+            }
         elif list(model_dir.glob("pytorch_model*.bin")):
             self.kind = "torch"
             self.torch_tensors = self._load_torch_bins(sorted(model_dir.glob("pytorch_model*.bin")))
@@ -102,6 +105,7 @@ class TensorSource:
             raise MotJaxError(f"{model_dir} has no model.safetensors(.index.json) or pytorch_model.bin weights.")
         # Names without the base-model prefix ("transformer.", "model."), which some checkpoints omit.
         self.by_name = {(n[len(base_prefix) :] if n.startswith(base_prefix) else n): n for n in self.files}
+        self.prefix = base_prefix if any(n.startswith(base_prefix) for n in self.files) else ""
         self._open = {}
 
     @staticmethod
@@ -112,22 +116,32 @@ class TensorSource:
             with safe_open(path, "np") as f:
                 return list(f.keys())
         except Exception as e:
-            raise MotJaxError(f"Cannot read {path} ({e}); the file is corrupt or truncated, download it again.") from None
+            raise MotJaxError(
+                f"Cannot read {path} ({e}); the file is corrupt or truncated, download it again."
+            ) from None
 
     @staticmethod
     def _load_torch_bins(paths):
         try:
             import torch
         except ImportError:
-            raise MotJaxError("This checkpoint has only pytorch_model.bin; install torch or convert it to safetensors.") from None
+            raise MotJaxError(
+                "This checkpoint has only pytorch_model.bin; install torch or convert it to safetensors."
+            ) from None
         tensors = {}
         for p in paths:
             try:
                 state = torch.load(p, map_location="cpu", weights_only=True)
             except Exception as e:
-                raise MotJaxError(f"Cannot read {p} ({type(e).__name__}); the file is corrupt, download it again.") from None
+                raise MotJaxError(
+                    f"Cannot read {p} ({type(e).__name__}); the file is corrupt, download it again."
+                ) from None
             tensors.update({k: v.float().numpy() if v.is_floating_point() else v.numpy() for k, v in state.items()})
         return tensors
+
+    def full_name(self, name):
+        """The name as the checkpoint spells it (with its base-model prefix)."""
+        return self.by_name.get(name) or (name if name.startswith("lm_head") else self.prefix + name)
 
     def names(self):
         return set(self.by_name)
@@ -144,7 +158,9 @@ class TensorSource:
                 self._open[path] = safe_open(path, "np")
             return self._open[path].get_tensor(full)
         except Exception as e:
-            raise MotJaxError(f"Cannot read tensor {full!r} from {path} ({e}); the file is corrupt, download it again.") from None
+            raise MotJaxError(
+                f"Cannot read tensor {full!r} from {path} ({e}); the file is corrupt, download it again."
+            ) from None
 
 
 def build_model(cfg: ModelConfig, dtype=jnp.float32, seed=0, abstract=False):
@@ -165,9 +181,6 @@ def load_params_into(model, source: TensorSource, table, ignored=()):
     params = flat_params(model)
     filled = set()
     unused = source.names()
-    missing = [r.hf for r in table if (r.hf.format(i=0) if r.per_layer else r.hf) not in unused]
-    if missing:
-        raise MotJaxError(f"The checkpoint lacks tensor {missing[0]!r} (and {len(missing) - 1} more) that a {cfg.family} model needs.")
     for rule in table:
         names = [rule.hf.format(i=i) for i in range(cfg.num_layers)] if rule.per_layer else [rule.hf]
         target = params[rule.ours]
@@ -175,20 +188,24 @@ def load_params_into(model, source: TensorSource, table, ignored=()):
         slices = []
         for name in names:
             if name not in source.by_name:
-                raise MotJaxError(f"The checkpoint lacks tensor {name!r} that a {cfg.family} model needs.")
+                full = source.full_name(name)
+                raise MotJaxError(f"The checkpoint lacks tensor {full!r} that a {cfg.family} model needs.")
             value = rule.to_ours(source.get(name))
             if value.shape != tuple(expected):
                 raise MotJaxError(
-                    f"Tensor {name!r} has shape {value.shape} after conversion but the config implies {tuple(expected)}; "
-                    "the weights do not match config.json."
+                    f"Tensor {source.full_name(name)!r} has shape {value.shape} after conversion but the config "
+                    f"implies {tuple(expected)}; the weights do not match config.json."
                 )
             slices.append(value)
             unused.discard(name)
         target.set_value(jnp.asarray(np.stack(slices) if rule.per_layer else slices[0], dtype=dtype))
         filled.add(rule.ours)
-    unexpected = sorted(n for n in unused if not any(re.search(p, n) for p in ignored))
+    unexpected = sorted(source.full_name(n) for n in unused if not any(re.search(p, n) for p in ignored))
     if unexpected:
-        raise MotJaxError(f"The checkpoint has tensor {unexpected[0]!r} (and {len(unexpected) - 1} more) that a {cfg.family} model does not use.")
+        raise MotJaxError(
+            f"The checkpoint has tensor {unexpected[0]!r} (and {len(unexpected) - 1} more) that a {cfg.family} "
+            "model does not use."
+        )
     assert filled == set(params), f"the {cfg.family} mapping table misses {set(params) - filled}"
     return model
 

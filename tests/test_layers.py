@@ -1,0 +1,68 @@
+"""Shared layers against closed forms and transformers' own helpers."""
+
+import jax.numpy as jnp
+import numpy as np
+import torch
+from transformers import LlamaConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from mot_jax.models.layers import attention, rope_inv_freq
+
+
+def naive_attention(q, k, v, q_pos, k_pos, k_valid, scale, window, softcap):
+    """Loop-per-query reference: softmax over the visible keys only (GQA by repeating K/V heads)."""
+    b, t, h, d = q.shape
+    group = h // k.shape[1]
+    out = np.zeros((b, t, h, d))
+    for bi in range(b):
+        for ti in range(t):
+            visible = k_valid[bi] & (k_pos[bi] <= q_pos[bi, ti]) & (q_pos[bi, ti] - k_pos[bi] < window)
+            for hi in range(h):
+                logits = (k[bi, hi // group][visible] @ q[bi, ti, hi]) * scale
+                if softcap:
+                    logits = np.tanh(logits / softcap) * softcap
+                p = np.exp(logits - logits.max())
+                out[bi, ti, hi] = (p / p.sum()) @ v[bi, hi // group][visible]
+    return out.reshape(b, t, h * d)
+
+
+def test_attention_matches_closed_form_with_window_softcap_gqa_and_padding():
+    rng = np.random.default_rng(0)
+    b, t, s, h, kv, d = 2, 4, 9, 4, 2, 8
+    q = rng.normal(size=(b, t, h, d)).astype(np.float32)
+    k, v = (rng.normal(size=(b, kv, s, d)).astype(np.float32) for _ in range(2))
+    k_pos = np.tile(np.arange(s), (b, 1))
+    k_valid = np.ones((b, s), bool)
+    k_valid[1, :3] = False  # left padding in row 1
+    q_pos = k_pos[:, -t:]
+    got = attention(
+        jnp.asarray(q),
+        jnp.asarray(k),
+        jnp.asarray(v),
+        jnp.asarray(q_pos),
+        jnp.asarray(k_pos),
+        jnp.asarray(k_valid),
+        scale=0.3,
+        window=3,
+        softcap=2.0,
+    )
+    want = naive_attention(q, k, v, q_pos, k_pos, k_valid, 0.3, 3, 2.0)
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-5)
+
+
+def test_query_with_no_visible_key_is_finite():
+    q = jnp.ones((1, 1, 2, 4))
+    k = v = jnp.ones((1, 2, 3, 4))
+    out = attention(q, k, v, jnp.zeros((1, 1), int), jnp.zeros((1, 3), int), jnp.zeros((1, 3), bool), scale=1.0)
+    assert bool(jnp.isfinite(out).all())
+
+
+def test_llama3_and_linear_rope_frequencies_match_transformers():
+    scaling = dict(
+        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64
+    )
+    config = LlamaConfig(hidden_size=256, num_attention_heads=2, rope_theta=500000.0, rope_scaling=scaling)
+    want, _ = ROPE_INIT_FUNCTIONS["llama3"](config, torch.device("cpu"))
+    np.testing.assert_allclose(np.asarray(rope_inv_freq(128, 500000.0, scaling)), want.numpy(), rtol=1e-6)
+    base = rope_inv_freq(128, 1e4)
+    np.testing.assert_allclose(np.asarray(rope_inv_freq(128, 1e4, dict(rope_type="linear", factor=4.0))), base / 4)

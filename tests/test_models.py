@@ -1,0 +1,113 @@
+"""Every family against transformers (PyTorch) on tiny random checkpoints: logits, every layer's K/V, decoding."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from hf_reference import CONFIGS, padded_batch, run_reference, save_tiny
+
+from mot_jax.models.base import generate
+from mot_jax.models.loading import hf_state_dict, load_model
+
+VARIANTS = [(family, name) for family, variants in CONFIGS.items() for name in variants]
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="module", params=VARIANTS, ids=[f"{f}-{n}" for f, n in VARIANTS])
+def pair(request, tmp_path_factory):
+    """(transformers model, our model loaded from its save_pretrained directory, directory)."""
+    family, name = request.param
+    path = tmp_path_factory.mktemp(f"{family}-{name}")
+    reference = save_tiny(CONFIGS[family][name](), path)
+    model, _ = load_model(str(path))
+    return reference, model, path
+
+
+def test_logits_and_kv_match_transformers_on_padded_batch(pair):
+    reference, model, _ = pair
+    ids, mask = padded_batch(model.config.vocab_size)
+    want_logits, want_k, want_v = run_reference(reference, ids, mask)
+    logits, cache = model(jnp.asarray(ids), jnp.asarray(mask))
+    valid = mask.astype(bool)
+    np.testing.assert_allclose(np.asarray(logits)[valid], want_logits[valid], atol=ATOL, rtol=0)
+    # cache [L, B, K, S, d] -> [B, S, L, K, d] so the padding mask selects real tokens
+    to_tokens = lambda a: np.asarray(a).transpose(1, 3, 0, 2, 4)[valid]  # noqa: E731
+    np.testing.assert_allclose(to_tokens(cache.k), to_tokens(want_k), atol=ATOL, rtol=0)
+    np.testing.assert_allclose(to_tokens(cache.v), to_tokens(want_v), atol=ATOL, rtol=0)
+
+
+def test_token_by_token_decoding_equals_full_forward(pair):
+    _, model, _ = pair
+    ids, mask = padded_batch(model.config.vocab_size, seed=1)
+    mask[2, 9:] = 1  # right padding cannot be followed by more tokens; keep a full and a left-padded row
+    ids, mask = jnp.asarray(ids), jnp.asarray(mask)
+    full, _ = model(ids, mask)
+    split = 5
+    cache = model.init_cache(ids.shape[0], ids.shape[1])
+    logits, cache = model(ids[:, :split], mask[:, :split], cache=cache)
+    steps = [logits]
+    for t in range(split, ids.shape[1]):
+        logits, cache = model(ids[:, t : t + 1], mask[:, t : t + 1], cache=cache)
+        steps.append(logits)
+    valid = np.asarray(mask, bool)
+    np.testing.assert_allclose(np.asarray(jnp.concatenate(steps, 1))[valid], np.asarray(full)[valid], atol=ATOL, rtol=0)
+
+
+def test_decode_after_right_padded_prefill(pair):
+    """A right-padded row continues at its own length: same logits as the unpadded row prefilled alone."""
+    _, model, _ = pair
+    ids = np.random.default_rng(2).integers(3, model.config.vocab_size, size=(1, 8))
+    padded = np.concatenate([ids[:, :6], [[0, 0]]], axis=1)
+    padded_mask = np.array([[1] * 6 + [0, 0]])
+    cache = model.init_cache(1, 9)
+    _, cache = model(jnp.asarray(padded), jnp.asarray(padded_mask), cache=cache)
+    step, _ = model(jnp.asarray(ids[:, 6:7]), cache=cache)
+    full, _ = model(jnp.asarray(ids[:, :7]))
+    np.testing.assert_allclose(np.asarray(step[:, -1]), np.asarray(full[:, -1]), atol=ATOL, rtol=0)
+
+
+def test_greedy_generation_matches_transformers(pair):
+    reference, model, _ = pair
+    ids = np.random.default_rng(3).integers(3, model.config.vocab_size, size=(2, 6))
+    ours = np.asarray(generate(model, jnp.asarray(ids), max_new_tokens=8, eos_ids=()))
+    with torch.no_grad():
+        theirs = reference.generate(
+            torch.tensor(ids),
+            attention_mask=torch.ones(ids.shape, dtype=torch.long),
+            max_new_tokens=8,
+            min_new_tokens=8,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    np.testing.assert_array_equal(ours, theirs[:, ids.shape[1] :].numpy())
+    # Stopping: with an end token, each row follows the same tokens up to it and then repeats it.
+    stop = int(ours[0, 2])
+    stopped = np.asarray(generate(model, jnp.asarray(ids), max_new_tokens=8, eos_ids=(stop,)))
+    for row, full in zip(stopped, ours):
+        end = list(full).index(stop) + 1 if stop in full else len(full)
+        np.testing.assert_array_equal(row[:end], full[:end])
+        assert (row[end:] == stop).all()
+
+
+def test_mapping_table_round_trips_the_checkpoint(pair):
+    from safetensors.numpy import load_file
+
+    _, model, path = pair
+    original = load_file(path / "model.safetensors")
+    exported = hf_state_dict(model)
+    assert set(exported) == set(original)
+    for name, value in original.items():
+        np.testing.assert_array_equal(exported[name], value, err_msg=name)
+
+
+def test_bfloat16_load_stays_close_to_fp32(pair):
+    _, model, path = pair
+    bf16, _ = load_model(str(path), dtype="bfloat16")
+    assert bf16.init_cache(1, 4).k.dtype == jnp.bfloat16
+    ids = jnp.asarray(np.random.default_rng(4).integers(3, model.config.vocab_size, size=(1, 10)))
+    want, _ = model(ids)
+    got, _ = bf16(ids)
+    assert got.dtype == jnp.bfloat16
+    scale = float(jnp.abs(want).max())
+    assert float(jnp.abs(got.astype(jnp.float32) - want).max()) < 0.05 * scale + 0.05

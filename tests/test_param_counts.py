@@ -1,0 +1,70 @@
+"""Real-size configs (values written here, no download): `nnx.eval_shape` gives the published parameter counts."""
+
+import numpy as np
+import pytest
+
+from mot_jax.models.loading import FAMILIES, build_model, flat_params
+
+GPT2 = dict(model_type="gpt2", vocab_size=50257, n_positions=1024)
+OPT = dict(model_type="opt", vocab_size=50272, max_position_embeddings=2048, activation_function="relu")
+QWEN = dict(model_type="qwen2", vocab_size=151936, rope_theta=1e6, max_position_embeddings=32768)
+
+# (name, config.json fields, published parameter count)
+REAL = [
+    ("gpt2", dict(GPT2, n_layer=12, n_embd=768, n_head=12), 124_439_808),
+    ("gpt2-medium", dict(GPT2, n_layer=24, n_embd=1024, n_head=16), 354_823_168),
+    ("opt-125m", dict(OPT, num_hidden_layers=12, hidden_size=768, num_attention_heads=12, ffn_dim=3072), 125_239_296),
+    (
+        "opt-350m",
+        dict(
+            OPT,
+            num_hidden_layers=24,
+            hidden_size=1024,
+            num_attention_heads=16,
+            ffn_dim=4096,
+            word_embed_proj_dim=512,
+            do_layer_norm_before=False,
+        ),
+        331_196_416,
+    ),
+    (
+        "opt-1.3b",
+        dict(OPT, num_hidden_layers=24, hidden_size=2048, num_attention_heads=32, ffn_dim=8192),
+        1_315_758_080,
+    ),
+    (
+        "Qwen2.5-0.5B",
+        dict(
+            QWEN,
+            num_hidden_layers=24,
+            hidden_size=896,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            intermediate_size=4864,
+            tie_word_embeddings=True,
+        ),
+        494_032_768,
+    ),
+    (
+        "Qwen2.5-7B",
+        dict(
+            QWEN,
+            vocab_size=152064,
+            num_hidden_layers=28,
+            hidden_size=3584,
+            num_attention_heads=28,
+            num_key_value_heads=4,
+            intermediate_size=18944,
+            tie_word_embeddings=False,
+        ),
+        7_615_616_512,
+    ),
+]
+
+
+@pytest.mark.parametrize("name,hf_config,published", REAL, ids=[r[0] for r in REAL])
+def test_eval_shape_gives_published_parameter_count(name, hf_config, published):
+    cfg = FAMILIES[hf_config["model_type"]][0].config_from_hf(hf_config)
+    model = build_model(cfg, abstract=True)
+    count = sum(int(np.prod(p.shape)) for p in flat_params(model).values())
+    assert count == published
