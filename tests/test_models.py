@@ -6,7 +6,7 @@ import pytest
 import torch
 from hf_reference import CONFIGS, padded_batch, run_reference, save_tiny
 
-from mot_jax.models.base import generate
+from mot_jax.models.base import decode_step, generate, prefill
 from mot_jax.models.loading import hf_state_dict, load_model
 
 VARIANTS = [(family, name) for family, variants in CONFIGS.items() for name in variants]
@@ -88,6 +88,19 @@ def test_greedy_generation_matches_transformers(pair):
         end = list(full).index(stop) + 1 if stop in full else len(full)
         np.testing.assert_array_equal(row[:end], full[:end])
         assert (row[end:] == stop).all()
+
+
+def test_prefill_then_decode_steps_equal_generate(pair):
+    _, model, _ = pair
+    ids, mask = padded_batch(model.config.vocab_size, seed=5)  # full, left- and right-padded rows
+    ids, mask = jnp.asarray(ids), jnp.asarray(mask)
+    want = np.asarray(generate(model, ids, mask, max_new_tokens=5, eos_ids=()))
+    logits, cache = prefill(model, ids, mask, capacity=ids.shape[1] + 5)
+    tokens = [jnp.argmax(logits, -1)]
+    for _ in range(4):
+        logits, cache = decode_step(model, tokens[-1], cache)
+        tokens.append(jnp.argmax(logits, -1))
+    np.testing.assert_array_equal(np.stack(tokens, 1), want)
 
 
 def test_mapping_table_round_trips_the_checkpoint(pair):

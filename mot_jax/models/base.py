@@ -152,19 +152,35 @@ def last_valid_index(mask):
     return length - 1 - jnp.argmax(mask[:, ::-1].astype(jnp.int32), axis=1)
 
 
+def _prefill(model, input_ids, attention_mask, capacity):
+    batch, length = input_ids.shape
+    mask = jnp.ones((batch, length), bool) if attention_mask is None else attention_mask.astype(bool)
+    hidden, cache = model.hidden_states(input_ids, mask, cache=model.init_cache(batch, capacity or length))
+    return model.unembed(hidden[jnp.arange(batch), last_valid_index(mask)]), cache
+
+
+@functools.partial(nnx.jit, static_argnames=("capacity",))
+def prefill(model, input_ids, attention_mask=None, *, capacity=None):
+    """(logits of each row's last valid token [B, V], a cache of `capacity` slots holding the prompt)."""
+    return _prefill(model, input_ids, attention_mask, capacity)
+
+
+@functools.partial(nnx.jit, donate_argnames=("cache",))
+def decode_step(model, tokens, cache):
+    """One token per row [B] into a preallocated cache (donated: updated in place); returns (logits [B, V], cache)."""
+    logits, cache = model(tokens[:, None], cache=cache)
+    return logits[:, -1], cache
+
+
 @functools.partial(nnx.jit, static_argnames=("max_new_tokens", "eos_ids"))
 def generate(model, input_ids, attention_mask=None, *, max_new_tokens, eos_ids=None):
-    """Greedy decoding: one jitted prefill into a preallocated cache, then a scan of single-token steps.
+    """Greedy decoding as one program: prefill into a preallocated cache, then a scan of single-token steps.
 
     Returns [B, max_new_tokens] token ids; after a row emits an end-of-sequence token (`eos_ids`, a tuple,
     default the config's; `()` never stops) it repeats that token.
     """
-    batch, length = input_ids.shape
-    mask = jnp.ones((batch, length), bool) if attention_mask is None else attention_mask.astype(bool)
-    cache = model.init_cache(batch, length + max_new_tokens)
-    hidden, cache = model.hidden_states(input_ids, mask, cache=cache)
-    last = hidden[jnp.arange(batch), last_valid_index(mask)]
-    first = jnp.argmax(model.unembed(last), axis=-1).astype(jnp.int32)
+    logits, cache = _prefill(model, input_ids, attention_mask, input_ids.shape[1] + max_new_tokens)
+    first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     eos = jnp.asarray((model.config.eos_ids if eos_ids is None else eos_ids) or (-1,), jnp.int32)
 
     def step(carry, _):
@@ -175,6 +191,6 @@ def generate(model, input_ids, attention_mask=None, *, max_new_tokens, eos_ids=N
         new = jnp.where(done, token, new)
         return (new, done, cache), new
 
-    done = jnp.zeros((batch,), bool)
+    done = jnp.zeros(first.shape, bool)
     _, rest = jax.lax.scan(step, (first, done, cache), None, length=max_new_tokens - 1)
     return jnp.concatenate([first[:, None], rest.T], axis=1)
