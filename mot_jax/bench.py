@@ -64,9 +64,15 @@ def load_pair(name, dtype, tmp):
     import torch
     import transformers
 
+    from mot_jax.models import gguf
     from mot_jax.models.loading import load_model
 
-    path = random_checkpoint(name, os.path.join(tmp, name)) if name in RANDOM else name
+    if name in RANDOM:
+        path = random_checkpoint(name, os.path.join(tmp, name))
+    elif gguf.resolve_gguf(name):  # transformers reads our converted cache: the same de-quantized weights
+        _, _, path = gguf.convert(gguf.resolve_gguf(name), name if name in gguf.EMBEDDED else None, load=False)
+    else:
+        path = name
     ours, _ = load_model(path, dtype=dtype)
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     theirs = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).eval()

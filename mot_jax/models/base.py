@@ -8,10 +8,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+from flax import nnx, struct
 
 from mot_jax.models.cache import KVCache
-from mot_jax.models.layers import GLOBAL_WINDOW, attention
+from mot_jax.models.layers import GLOBAL_WINDOW, attention_weights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,16 +71,34 @@ class ModelConfig:
         return () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
 
 
+@struct.dataclass
+class Injection:
+    """Per-layer changes to a prefill over T new tokens: MoT's replay of the target over its context.
+
+    A layer with `slot[l] >= 0` computes its own K/V (and caches them) but its attention reads the injected
+    `k[slot[l]]`, `v[slot[l]]` for the new tokens instead. A layer with `sparse[l]` lets each query attend only to
+    the keys listed in `sparse_index[l]` (token indices into the new tokens; out-of-range entries are ignored).
+    """
+
+    k: jax.Array  # [W, B, K, T, d]
+    v: jax.Array  # [W, B, K, T, d]
+    slot: jax.Array  # [L] int32, -1 = not injected
+    sparse_index: jax.Array | None = None  # [L, B, T, k] int32
+    sparse: jax.Array | None = None  # [L] bool
+
+
 class LayerCache:
     """One layer's view of the cache inside the layer scan: a block calls `attend` with its new q, k, v.
 
-    It writes the new k, v into the full cache at (layer, index) and attends over every slot; the updated cache
-    arrays are read back from it after the block has run (trace-time bookkeeping, no Python state at run time).
+    It writes the new k, v into the full cache at (layer, index) and attends over every slot, reading injected
+    K/V and a sparse key set where an `Injection` says so; the updated cache arrays (and the head-averaged top-k
+    attention indices, when asked for) are read back after the block has run (trace-time bookkeeping only).
     """
 
-    def __init__(self, k_all, v_all, layer, index, q_pos, cache: KVCache):
+    def __init__(self, k_all, v_all, layer, index, q_pos, cache: KVCache, injection=None, topk=0):
         self.k_all, self.v_all, self.layer, self.index = k_all, v_all, layer, index
         self.q_pos, self.k_pos, self.k_valid = q_pos, cache.positions, cache.valid
+        self.injection, self.topk, self.topk_indices = injection, topk, None
 
     def attend(self, q, k, v, *, scale, window=GLOBAL_WINDOW, softcap=None):
         """q: [B, T, H, d], k/v: [B, T, K, d] for the new tokens; returns [B, T, H * d]."""
@@ -89,9 +107,38 @@ class LayerCache:
         self.v_all = jax.lax.dynamic_update_slice(self.v_all, v.transpose(0, 2, 1, 3)[None], at)
         k_layer = jax.lax.dynamic_index_in_dim(self.k_all, self.layer, keepdims=False)
         v_layer = jax.lax.dynamic_index_in_dim(self.v_all, self.layer, keepdims=False)
-        return attention(
-            q, k_layer, v_layer, self.q_pos, self.k_pos, self.k_valid, scale=scale, window=window, softcap=softcap
+        allowed = None
+        if self.injection is not None:
+            k_layer, v_layer, allowed = self.injected(k_layer, v_layer, q.shape[1])
+        probs = attention_weights(
+            q, k_layer, self.q_pos, self.k_pos, self.k_valid, scale=scale, window=window, softcap=softcap,
+            allowed=allowed,
+        )  # fmt: skip
+        if self.topk:  # the keys this layer attends to most, averaged over heads: [B, T, topk]
+            self.topk_indices = jax.lax.top_k(probs.mean(axis=(1, 2)), self.topk)[1].astype(jnp.int32)
+        out = jnp.einsum("bkgts,bksd->btkgd", probs.astype(v_layer.dtype), v_layer)
+        return out.reshape(*q.shape[:2], -1)
+
+    def injected(self, k_layer, v_layer, length):
+        """This layer's attention keys/values and allowed-key mask under the injection."""
+        inj, layer_slot = self.injection, self.injection.slot
+        use = layer_slot >= 0
+        read = lambda a: jax.lax.dynamic_index_in_dim(a, jnp.maximum(layer_slot, 0), keepdims=False)  # noqa: E731
+        at = (0, 0, self.index, 0)
+        k_layer = jnp.where(use, jax.lax.dynamic_update_slice(k_layer, read(inj.k).astype(k_layer.dtype), at), k_layer)
+        v_layer = jnp.where(use, jax.lax.dynamic_update_slice(v_layer, read(inj.v).astype(v_layer.dtype), at), v_layer)
+        if inj.sparse_index is None:
+            return k_layer, v_layer, None
+        b, capacity = self.k_valid.shape
+        index = inj.sparse_index  # [B, T, k] token indices into the new tokens
+        slots = jnp.where((index >= 0) & (index < length), index + self.index, capacity)
+        rows = jnp.arange(b)[:, None, None]
+        chosen = (
+            jnp.zeros((b, length, capacity), bool)
+            .at[rows, jnp.arange(length)[None, :, None], slots]
+            .set(True, mode="drop")
         )
+        return k_layer, v_layer, chosen | ~inj.sparse
 
 
 class CausalLM(nnx.Module):
@@ -119,6 +166,12 @@ class CausalLM(nnx.Module):
 
     def hidden_states(self, input_ids, attention_mask=None, positions=None, cache=None):
         """The final-normed hidden states [B, T, D] and the extended cache."""
+        hidden, cache, _ = self.run_layers(input_ids, attention_mask, positions, cache)
+        return hidden, cache
+
+    def run_layers(self, input_ids, attention_mask=None, positions=None, cache=None, injection=None, topk=0):
+        """`hidden_states` with an optional `Injection`, and with `topk > 0` also each layer's top-k attended keys
+        (head-averaged attention weights) as [L, B, T, topk] slot indices (else None)."""
         batch, length = input_ids.shape
         mask = jnp.ones((batch, length), bool) if attention_mask is None else attention_mask.astype(bool)
         if cache is None:
@@ -129,18 +182,23 @@ class CausalLM(nnx.Module):
         x = self.embed(input_ids, positions)
 
         graphdef, stacked = nnx.split(self.layers)
+        per_layer = None
+        if injection is not None:  # the injection's per-layer fields travel through the scan
+            per_layer = injection.replace(k=None, v=None)
 
         def body(carry, xs):
             x, k_all, v_all = carry
-            layer_params, layer = xs
-            layer_cache = LayerCache(k_all, v_all, layer, cache.index, positions, cache)
+            layer_params, layer, layer_injection = xs
+            if layer_injection is not None:
+                layer_injection = layer_injection.replace(k=injection.k, v=injection.v)
+            layer_cache = LayerCache(k_all, v_all, layer, cache.index, positions, cache, layer_injection, topk)
             x = nnx.merge(graphdef, layer_params)(x, positions, layer, layer_cache)
-            return (x, layer_cache.k_all, layer_cache.v_all), None
+            return (x, layer_cache.k_all, layer_cache.v_all), layer_cache.topk_indices
 
-        xs = (stacked, jnp.arange(self.config.num_layers))
-        (x, k, v), _ = jax.lax.scan(body, (x, cache.k, cache.v), xs)
+        xs = (stacked, jnp.arange(self.config.num_layers), per_layer)
+        (x, k, v), topk_indices = jax.lax.scan(body, (x, cache.k, cache.v), xs)
         cache = cache.replace(k=k, v=v, index=cache.index + length)
-        return self.final_norm(x), cache
+        return self.final_norm(x), cache, topk_indices
 
     def final_norm(self, x):
         return x

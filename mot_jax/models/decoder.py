@@ -67,6 +67,13 @@ def base_config(d: dict, family: str, **overrides) -> ModelConfig:
     return ModelConfig(**fields)
 
 
+def rope_table(cfg: ModelConfig):
+    """[L, head_dim / 2] RoPE inverse frequencies of every layer (sliding layers use the local RoPE)."""
+    local = rope_inv_freq(cfg.head_dim, cfg.local_rope_theta, dict(cfg.local_rope_scaling))
+    full = rope_inv_freq(cfg.head_dim, cfg.rope_theta, dict(cfg.rope_scaling))
+    return jnp.stack([local if w < GLOBAL_WINDOW else full for w in cfg.windows])
+
+
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs, dtype):
         lead, D, H, K, d = (cfg.num_layers,), cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -121,12 +128,7 @@ class Block(nnx.Module):
         v = attn.v_proj(h).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
             q, k = attn.q_norm(q), attn.k_norm(k)
-        window = jnp.asarray(cfg.windows)[layer]
-        inv_freq = jnp.where(
-            window < GLOBAL_WINDOW,  # sliding layers use the local RoPE
-            rope_inv_freq(cfg.head_dim, cfg.local_rope_theta, dict(cfg.local_rope_scaling)),
-            rope_inv_freq(cfg.head_dim, cfg.rope_theta, dict(cfg.rope_scaling)),
-        )
+        window, inv_freq = jnp.asarray(cfg.windows)[layer], rope_table(cfg)[layer]
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         scale = cfg.query_scale or cfg.head_dim**-0.5
         out = attn.o_proj(cache.attend(q, k, v, scale=scale, window=window, softcap=cfg.attn_softcap))

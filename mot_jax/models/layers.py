@@ -34,9 +34,9 @@ def param(key, shape, names, dtype, init="normal", std=0.02):
 class Linear(nnx.Module):
     """y = x @ kernel + bias, kernel stored [in, out] (HF torch Linear weights are transposed on load)."""
 
-    def __init__(self, din, dout, names, *, rngs, dtype, bias=True, lead=()):
-        lead_names = ("layers",) * len(lead)
-        self.kernel = param(rngs.params(), (*lead, din, dout), lead_names + names, dtype)
+    def __init__(self, din, dout, names, *, rngs, dtype, bias=True, lead=(), lead_names=None, std=0.02):
+        lead_names = lead_names or ("layers",) * len(lead)
+        self.kernel = param(rngs.params(), (*lead, din, dout), lead_names + names, dtype, std=std)
         self.bias = param(rngs.params(), (*lead, dout), lead_names + names[1:], dtype, "zeros") if bias else None
 
     def __call__(self, x):
@@ -57,8 +57,8 @@ class Embed(nnx.Module):
 
 
 class LayerNorm(nnx.Module):
-    def __init__(self, dim, eps, *, rngs, dtype, lead=(), affine=True):
-        names = ("layers",) * len(lead) + ("embed",)
+    def __init__(self, dim, eps, *, rngs, dtype, lead=(), lead_names=None, affine=True):
+        names = (lead_names or ("layers",) * len(lead)) + ("embed",)
         self.eps = eps
         self.scale = param(None, (*lead, dim), names, dtype, "ones") if affine else None
         self.bias = param(None, (*lead, dim), names, dtype, "zeros") if affine else None
@@ -137,12 +137,13 @@ def apply_rope(x, positions, inv_freq):
 # ---------------------------------------------------------------------------------------------- attention
 
 
-def attention(q, k, v, q_pos, k_pos, k_valid, *, scale, window=GLOBAL_WINDOW, softcap=None):
-    """Causal (by position) attention with GQA, padding, sliding window and optional logit soft-cap.
+def attention_weights(q, k, q_pos, k_pos, k_valid, *, scale, window=GLOBAL_WINDOW, softcap=None, allowed=None):
+    """Softmax weights [B, K, G, T, S] (fp32) of causal-by-position attention with GQA, padding and windows.
 
-    q: [B, T, H, d]; k, v: [B, K, S, d] (the cache layout); q_pos: [B, T]; k_pos, k_valid: [B, S].
+    q: [B, T, H, d]; k: [B, K, S, d] (the cache layout); q_pos: [B, T]; k_pos, k_valid: [B, S].
     A key is visible when it is valid, not after the query, and less than `window` positions behind it.
-    Returns [B, T, H * d].
+    `allowed` [B, T, S] further restricts each query to chosen keys (sparse top-k attention); a query left with
+    no visible key then attends to itself rather than to masked keys (the reference leaks future keys there).
     """
     b, t, h, d = q.shape
     kv_heads = k.shape[1]
@@ -152,7 +153,15 @@ def attention(q, k, v, q_pos, k_pos, k_valid, *, scale, window=GLOBAL_WINDOW, so
         logits = jnp.tanh(logits / softcap) * softcap
     delta = q_pos[:, :, None] - k_pos[:, None, :]  # [B, T, S]
     visible = k_valid[:, None, :] & (delta >= 0) & (delta < window)
+    if allowed is not None:
+        stranded = ~jnp.any(visible & allowed, axis=-1, keepdims=True)
+        visible = visible & (allowed | (stranded & (delta == 0)))
     logits = jnp.where(visible[:, None, None], logits, MASK_VALUE)
-    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bksd->btkgd", probs, v)
-    return out.reshape(b, t, h * v.shape[-1])
+    return jax.nn.softmax(logits, axis=-1)
+
+
+def attention(q, k, v, q_pos, k_pos, k_valid, *, scale, window=GLOBAL_WINDOW, softcap=None, allowed=None):
+    """`attention_weights` applied to v [B, K, S, d]; returns [B, T, H * d]."""
+    probs = attention_weights(q, k, q_pos, k_pos, k_valid, scale=scale, window=window, softcap=softcap, allowed=allowed)
+    out = jnp.einsum("bkgts,bksd->btkgd", probs.astype(v.dtype), v)
+    return out.reshape(*q.shape[:2], -1)

@@ -1,0 +1,134 @@
+"""The translator expert: the paper's cross-layer window translator (reference section 2), N experts stacked.
+
+Input per token: the W window layers' flattened source K (or V) vectors, x [B, T, W, ds]. Output: [B, T, W, dt],
+reshaped by the caller into target heads. All N experts of a mixture live in one module with a leading `expert`
+axis on every parameter, so they run as one `vmap` and shard over the `expert` mesh axis.
+
+An expert computes the context P = GELU(Linear(LN(x))) for every token (the keys/values of its cross-attention),
+and the query chain only for the token positions it is given: all of them on the dense path, the routed ones on
+the sparse path. The two paths therefore give the same numbers for a routed token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mot_jax.models.layers import MASK_VALUE, LayerNorm, Linear
+
+EPS = 1e-5
+
+
+@dataclasses.dataclass(frozen=True)
+class TranslatorConfig:
+    """Shape and switches of one K or V mixture. Paper defaults: dim 1024, 16 heads, depth 2, mlp_ratio 4, N=2, k=1."""
+
+    source_width: int  # source kv_heads * head_dim
+    target_width: int  # target kv_heads * head_dim
+    window: int  # W: window layers translated together
+    dim: int = 1024
+    heads: int = 16
+    depth: int = 2  # R stages of W un-shared cross-attention blocks
+    mlp_ratio: int = 4
+    output_activation: str = "gelu"  # "gelu" (paper) | "none"
+    causal: bool = False  # translator attention over the context: bidirectional (paper) or causal
+    num_experts: int = 2
+    top_k: int = 1
+    dispatch: str = "sparse"  # "sparse" (only routed tokens' queries) | "dense" (every expert on every token)
+    capacity_factor: float = 2.0  # sparse: slots per expert and row = ceil(factor * k * T / N), at most T
+
+    @property
+    def router_hidden(self):
+        return max(64, min(self.dim, self.window * self.source_width))
+
+    def capacity(self, length):
+        if self.dispatch == "dense" or self.num_experts == 1:
+            return length
+        return min(length, -(-int(self.capacity_factor * self.top_k * length) // self.num_experts))
+
+
+def gelu(x):
+    return jax.nn.gelu(x, approximate=False)  # torch's default (erf) GELU, as the reference
+
+
+def torch_std(fan_in):
+    return (3 * fan_in) ** -0.5  # the std of torch.nn.Linear's default uniform init
+
+
+class CrossAttentionBlocks(nnx.Module):
+    """R x W un-shared blocks (leading axes [expert, block]); `__call__` is one block: g <- Block(g, ctx)."""
+
+    def __init__(self, cfg: TranslatorConfig, *, rngs, dtype):
+        D, hidden = cfg.dim, cfg.mlp_ratio * cfg.dim
+        kw = dict(
+            rngs=rngs, dtype=dtype, lead=(cfg.num_experts, cfg.depth * cfg.window), lead_names=("expert", "layers")
+        )
+        self.heads = cfg.heads
+        self.norm_q = LayerNorm(D, EPS, **kw)
+        self.norm_ctx = LayerNorm(D, EPS, **kw)
+        self.in_proj = Linear(D, 3 * D, ("embed", "heads"), **kw, std=torch_std(D))  # packed q, k, v
+        self.out_proj = Linear(D, D, ("heads", "embed"), **kw, std=torch_std(D))
+        self.norm_ffn = LayerNorm(D, EPS, **kw)
+        self.fc1 = Linear(D, hidden, ("embed", "mlp"), **kw, std=torch_std(D))
+        self.fc2 = Linear(hidden, D, ("mlp", "embed"), **kw, std=torch_std(hidden))
+
+    def __call__(self, g, ctx, visible):
+        """g [B, C, D] queries, ctx [B, T, D] one window layer's context, visible [B, C|1, T]."""
+        g = g + self.out_proj(self.attention(self.norm_q(g), self.norm_ctx(ctx), visible))
+        return g + self.fc2(gelu(self.fc1(self.norm_ffn(g))))
+
+    def attention(self, q_in, ctx, visible):
+        """torch.nn.MultiheadAttention (packed in-projection, no positions): q [B, C, D] attends to ctx [B, T, D]."""
+        d, h = q_in.shape[-1], self.heads
+        kernel, bias = self.in_proj.kernel[...], self.in_proj.bias[...]
+        q = q_in @ kernel[:, :d] + bias[:d]
+        k = ctx @ kernel[:, d : 2 * d] + bias[d : 2 * d]
+        v = ctx @ kernel[:, 2 * d :] + bias[2 * d :]
+        split = lambda a: a.reshape(*a.shape[:2], h, d // h)  # noqa: E731
+        logits = jnp.einsum("bchd,bthd->bhct", split(q), split(k), preferred_element_type=jnp.float32)
+        logits = jnp.where(visible[:, None], logits * (d // h) ** -0.5, MASK_VALUE)
+        probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+        return jnp.einsum("bhct,bthd->bchd", probs, split(v)).reshape(q.shape)
+
+
+class Experts(nnx.Module):
+    def __init__(self, cfg: TranslatorConfig, *, rngs, dtype=jnp.float32):
+        self.cfg = cfg
+        D, W = cfg.dim, cfg.window
+        kw = dict(rngs=rngs, dtype=dtype, lead=(cfg.num_experts,), lead_names=("expert",))
+        self.input_norm = LayerNorm(cfg.source_width, EPS, **kw)
+        self.input_proj = Linear(cfg.source_width, D, (None, "embed"), **kw, std=torch_std(cfg.source_width))
+        self.blocks = CrossAttentionBlocks(cfg, rngs=rngs, dtype=dtype)
+        self.output_norm = LayerNorm(W * D, EPS, **kw)
+        self.output_proj = Linear(W * D, W * cfg.target_width, ("embed", None), **kw, std=torch_std(W * D))
+
+    def __call__(self, x, token_mask, query_index):
+        """x [B, T, W, ds]; token_mask [B, T]; query_index [E, B, C] token positions -> [E, B, C, W, dt]."""
+        graphdef, params = nnx.split(self)
+        return jax.vmap(lambda p, q: nnx.merge(graphdef, p).one_expert(x, token_mask, q))(params, query_index)
+
+    def one_expert(self, x, token_mask, query_index):
+        """One expert's slice of the parameters: x [B, T, W, ds], query_index [B, C] -> [B, C, W, dt]."""
+        cfg = self.cfg
+        b, t, w, _ = x.shape
+        context = gelu(self.input_proj(self.input_norm(x)))  # P [B, T, W, D]
+        g = context[jnp.arange(b)[:, None], query_index, 0]  # the chain starts from P_0 of its queries [B, C, D]
+        visible = token_mask[:, None, :]  # [B, 1, T]
+        if cfg.causal:
+            visible = visible & (jnp.arange(t)[None, None, :] <= query_index[:, :, None])
+        graphdef, blocks = nnx.split(self.blocks)
+
+        def step(g, xs):
+            params, layer = xs  # block r * W + l reads window layer l
+            g = nnx.merge(graphdef, params)(g, jax.lax.dynamic_index_in_dim(context, layer, 2, False), visible)
+            return g, g
+
+        _, states = jax.lax.scan(step, g, (blocks, jnp.tile(jnp.arange(w), cfg.depth)))
+        last_stage = jnp.moveaxis(states[-w:], 0, 2)  # the last stage's W states: [B, C, W, D]
+        y = self.output_proj(self.output_norm(last_stage.reshape(b, -1, w * cfg.dim)))
+        if cfg.output_activation == "gelu":
+            y = gelu(y)
+        return y.reshape(b, -1, w, cfg.target_width)
