@@ -1,0 +1,97 @@
+"""The model-side hooks of MoT's replay: injected K/V, sparse top-k attention, the source's top-k attention."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from hf_reference import CONFIGS, padded_batch, positions_for, save_tiny
+
+from mot_jax.models.base import Injection
+from mot_jax.models.layers import attention
+from mot_jax.models.loading import load_model
+
+FAMILIES = [("gpt2", "inverse_layer_scale"), ("opt", "post_ln_projected"), ("qwen2", "untied_sliding"),
+            ("gemma3", "sliding_softcap")]  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=FAMILIES, ids=[f for f, _ in FAMILIES])
+def pair(request, tmp_path_factory):
+    family, name = request.param
+    path = tmp_path_factory.mktemp(family)
+    reference = save_tiny(CONFIGS[family][name](), path)
+    return reference, load_model(str(path))[0]
+
+
+def native(model):
+    ids, mask = padded_batch(model.config.vocab_size)
+    ids, mask = jnp.asarray(ids), jnp.asarray(mask)
+    _, cache, topk = model.run_layers(ids, mask, topk=3)
+    return ids, mask, cache, topk
+
+
+def window_injection(cache, layers, scale=1.0):
+    slot = np.full(cache.k.shape[0], -1, np.int32)
+    slot[layers] = np.arange(len(layers))
+    k = cache.k[np.asarray(layers)] * scale
+    return Injection(k=k, v=cache.v[np.asarray(layers)] * scale, slot=jnp.asarray(slot))
+
+
+def test_injecting_the_native_kv_reproduces_the_native_cache(pair):
+    _, model = pair
+    ids, mask, cache, _ = native(model)
+    layers = list(range(1, model.config.num_layers))
+    _, replayed, _ = model.run_layers(ids, mask, injection=window_injection(cache, layers))
+    np.testing.assert_allclose(np.asarray(replayed.k), np.asarray(cache.k), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(replayed.v), np.asarray(cache.v), atol=1e-5, rtol=0)
+
+
+def test_injection_changes_only_the_layers_above_the_window(pair):
+    _, model = pair
+    ids, mask, cache, _ = native(model)
+    _, replayed, _ = model.run_layers(ids, mask, injection=window_injection(cache, [1], scale=2.0))
+    # the window layer still caches its own K/V; the layers above read a changed residual stream
+    np.testing.assert_allclose(np.asarray(replayed.k[:2]), np.asarray(cache.k[:2]), atol=1e-6, rtol=0)
+    assert float(jnp.abs(replayed.k[2:] - cache.k[2:]).max()) > 1e-3
+
+
+def test_sparse_replay_with_every_key_equals_dense_replay(pair):
+    _, model = pair
+    ids, mask, cache, _ = native(model)
+    injection = window_injection(cache, [1], scale=1.5)
+    layers, batch, length = model.config.num_layers, *ids.shape
+    every_key = jnp.broadcast_to(jnp.arange(length), (layers, batch, length, length))
+    sparse = injection.replace(sparse_index=every_key, sparse=jnp.ones(layers, bool))
+    _, dense_cache, _ = model.run_layers(ids, mask, injection=injection)
+    _, sparse_cache, _ = model.run_layers(ids, mask, injection=sparse)
+    np.testing.assert_allclose(np.asarray(sparse_cache.k), np.asarray(dense_cache.k), atol=1e-5, rtol=0)
+
+
+def test_top_k_attention_indices_match_transformers_attentions(pair):
+    reference, model = pair
+    ids, mask = padded_batch(model.config.vocab_size)
+    _, _, _, topk = native(model)
+    with torch.no_grad():
+        out = reference(
+            input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
+            position_ids=torch.tensor(positions_for(mask)), output_attentions=True,
+        )  # fmt: skip
+    for layer, probs in enumerate(out.attentions):
+        averaged = probs.mean(dim=1).numpy()  # [B, T, S]
+        for b, t in zip(*np.nonzero(mask)):
+            got = set(np.asarray(topk[layer, b, t]).tolist())
+            want = set(np.argsort(-averaged[b, t], kind="stable")[:3].tolist())
+            top3 = np.sort(averaged[b, t])[::-1][:4]
+            if top3[2] - top3[3] > 1e-6:  # skip exact ties (e.g. three equal zeros)
+                assert got == want, (layer, b, t)
+
+
+def test_query_with_no_allowed_key_attends_to_itself():
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.normal(size=s), jnp.float32) for s in [(1, 3, 2, 4), (1, 2, 3, 4), (1, 2, 3, 4)])
+    pos = jnp.arange(3)[None]
+    allowed = jnp.zeros((1, 3, 3), bool).at[0, 2, 0].set(True)  # queries 0 and 1 allowed nothing
+    out = np.asarray(attention(q, k, v, pos, pos, jnp.ones((1, 3), bool), scale=1.0, allowed=allowed))
+    own = np.asarray(v).transpose(0, 2, 1, 3)  # [B, S, K, d]: query t alone sees its own value
+    np.testing.assert_allclose(out[0, 0].reshape(2, 4), own[0, 0], atol=1e-6)
+    np.testing.assert_allclose(out[0, 1].reshape(2, 4), own[0, 1], atol=1e-6)
+    np.testing.assert_allclose(out[0, 2].reshape(2, 4), own[0, 0], atol=1e-6)  # query 2 sees key 0 only
