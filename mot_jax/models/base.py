@@ -115,7 +115,8 @@ class LayerCache:
             allowed=allowed,
         )  # fmt: skip
         if self.topk:  # the keys this layer attends to most, averaged over heads: [B, T, topk]
-            self.topk_indices = jax.lax.top_k(probs.mean(axis=(1, 2)), self.topk)[1].astype(jnp.int32)
+            k = min(self.topk, probs.shape[-1])
+            self.topk_indices = jax.lax.top_k(probs.mean(axis=(1, 2)), k)[1].astype(jnp.int32)
         out = jnp.einsum("bkgts,bksd->btkgd", probs.astype(v_layer.dtype), v_layer)
         return out.reshape(*q.shape[:2], -1)
 

@@ -1,0 +1,222 @@
+"""From a source cache to a target cache: the K and V mixtures, their window, and the two injection modes.
+
+- `replay` (paper): the translated K/V replace the target's own in the window layers while the target re-runs
+  its context; the cache handed on is the target's own recomputed K/V at every layer. Attention in the replay is
+  dense, or (paper) sparse top-k with key indices from the source's head-averaged attention, mapped across layers
+  (channel-map interpolation) and tokenizers (hard alignment maps), the bottom layers dense.
+- `direct`: the window is every target layer; the translated K/V are the cache, the target never reads the context.
+
+`KVTranslator` holds the trainable parameters (a K mixture and a V mixture); `translate` is the jittable function
+that training and evaluation share; `CacheTranslator` is the user-facing object that starts from text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from mot_jax.errors import MotJaxError
+from mot_jax.models import decoder
+from mot_jax.models.base import CausalLM, Injection
+from mot_jax.models.layers import apply_rope
+from mot_jax.translate import align as alignment_lib
+from mot_jax.translate import channels
+from mot_jax.translate.expert import TranslatorConfig
+from mot_jax.translate.mixture import MixtureOfTranslators
+
+MODES = ("replay", "direct")
+
+
+@dataclasses.dataclass(frozen=True)
+class TranslationSpec:
+    """Where translated K/V come from and go to, and how the target uses them (static)."""
+
+    mode: str  # "replay" | "direct"
+    source_layers: tuple  # per window slot, the source layer read (direct: may repeat)
+    target_layers: tuple  # per window slot, the target layer written (direct: every layer)
+    layer_map: tuple  # per target layer, its source layer (sparse-attention indices; channel interpolation)
+    sparse_attention: bool = True  # replay: top-k attention from the source's attention (paper) or dense
+    k_attn: int = 32
+    dense_bottom: int = 2  # replay: layers below this stay dense
+    rotary: bool = False  # un-rotate source keys, translate, re-rotate at target positions
+
+    @classmethod
+    def build(cls, mode, channel_map, num_source_layers, num_target_layers, **kwargs):
+        if mode not in MODES:
+            raise MotJaxError(f"Unknown translation mode {mode!r}; use one of {', '.join(MODES)}.")
+        if mode == "direct":
+            source = tuple(int(s) for s in channels.full_depth(num_source_layers, num_target_layers))
+            target = tuple(range(num_target_layers))
+            layer_map = source
+        else:
+            channel_map.validate(num_source_layers, num_target_layers)
+            source, target = tuple(channel_map.source), tuple(channel_map.target)
+            layer_map = channels.target_to_source_layers(channel_map, num_target_layers, num_source_layers)
+        return cls(mode, source, target, tuple(int(s) for s in layer_map), **kwargs)
+
+
+def mixture_config(spec: TranslationSpec, source: CausalLM, target: CausalLM, **kwargs) -> TranslatorConfig:
+    s, t = source.config, target.config
+    return TranslatorConfig(
+        source_width=s.num_kv_heads * s.head_dim,
+        target_width=t.num_kv_heads * t.head_dim,
+        window=len(spec.target_layers),
+        **kwargs,
+    )
+
+
+class KVTranslator(nnx.Module):
+    """Separate mixtures for K and V, as the paper."""
+
+    def __init__(self, spec: TranslationSpec, cfg: TranslatorConfig, *, rngs, dtype=jnp.float32):
+        if spec.rotary and cfg.output_activation != "none":
+            raise MotJaxError("rotary=True needs output_activation='none' (rotated keys take any sign).")
+        self.spec, self.cfg = spec, cfg
+        self.key = MixtureOfTranslators(cfg, rngs=rngs, dtype=dtype)
+        self.value = MixtureOfTranslators(cfg, rngs=rngs, dtype=dtype)
+
+
+def rope_or_none(model: CausalLM):
+    return decoder.rope_table(model.config) if isinstance(model, decoder.RotaryLM) else None
+
+
+def window_block(cache_kv, layers, positions=None, inv_freq=None):
+    """[L, B, K, S, d] -> the window layers as [B, S, W, K * d]; un-rotated by -positions when given tables."""
+    x = cache_kv[jnp.asarray(layers)].transpose(1, 3, 0, 2, 4)  # [B, S, W, K, d]
+    if inv_freq is not None:
+        x = jnp.stack([apply_rope(x[:, :, i], -positions, inv_freq[li]) for i, li in enumerate(layers)], 2)
+    return x.reshape(*x.shape[:3], -1)
+
+
+def target_positions(mask):
+    return jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
+
+
+def translate_window(translator: KVTranslator, source: CausalLM, target: CausalLM, source_cache, alignment, mask):
+    """The translated window K/V, each [W, B, Kt, T, dt], and the mixtures' aux outputs {"key": .., "value": ..}."""
+    spec, t = translator.spec, target.config
+    rotary = spec.rotary and rope_or_none(source) is not None and rope_or_none(target) is not None
+    src_freq = rope_or_none(source) if rotary else None
+    k = window_block(source_cache.k, spec.source_layers, source_cache.positions, src_freq)
+    v = window_block(source_cache.v, spec.source_layers)
+    k, v = alignment_lib.resample(k, alignment.weights), alignment_lib.resample(v, alignment.weights)
+    k, aux_k = translator.key(k, mask)
+    v, aux_v = translator.value(v, mask)
+    heads = lambda y: y.reshape(*y.shape[:3], t.num_kv_heads, t.head_dim)  # noqa: E731
+    k, v = heads(k), heads(v)  # [B, T, W, Kt, dt]
+    if rotary:
+        freq, pos = rope_or_none(target), target_positions(mask)
+        k = jnp.stack([apply_rope(k[:, :, i], pos, freq[li]) for i, li in enumerate(spec.target_layers)], 2)
+    to_cache = lambda y: y.transpose(2, 0, 3, 1, 4).astype(target.param_dtype)  # noqa: E731
+    return to_cache(k), to_cache(v), {"key": aux_k, "value": aux_v}
+
+
+def sparse_indices(spec: TranslationSpec, source_topk, alignment):
+    """Per target layer, the target key tokens each target query may attend to: [Lt, B, T, k].
+
+    source_topk [Ls, B, S, k] are the source's most-attended key tokens per query; target layer j reads source
+    layer layer_map[j], target query t reads source query target_to_source[t], and each source key s becomes
+    target token source_to_target[s].
+    """
+    layer_map = jnp.asarray(spec.layer_map)
+    picked = source_topk[layer_map]  # [Lt, B, S, k]
+    rows = jnp.arange(picked.shape[1])[:, None]
+    by_target_query = picked[:, rows, alignment.target_to_source]  # [Lt, B, T, k]
+    return alignment.source_to_target[rows[..., None], by_target_query]
+
+
+def translate(translator, source, target, source_cache, alignment, target_ids, target_mask, source_topk=None,
+              capacity=None):  # fmt: skip
+    """Jittable core: the target cache (capacity slots, default T) for the target context, and the aux outputs."""
+    spec = translator.spec
+    batch, length = target_ids.shape
+    mask = target_mask.astype(bool)
+    k, v, aux = translate_window(translator, source, target, source_cache, alignment, mask)
+    cache = target.init_cache(batch, capacity or length)
+    if spec.mode == "direct":
+        cache = cache.append_slots(target_positions(mask), mask)
+        at = (0, 0, 0, 0, 0)
+        return cache.replace(
+            k=jax.lax.dynamic_update_slice(cache.k, k, at),
+            v=jax.lax.dynamic_update_slice(cache.v, v, at),
+            index=jnp.asarray(length, jnp.int32),
+        ), aux
+    slot = np.full(target.config.num_layers, -1, np.int32)
+    slot[list(spec.target_layers)] = np.arange(len(spec.target_layers))
+    injection = Injection(k=k, v=v, slot=jnp.asarray(slot))
+    if spec.sparse_attention:
+        if source_topk is None:
+            raise MotJaxError("Sparse replay needs the source's attention top-k indices; pass source_topk.")
+        sparse = np.arange(target.config.num_layers) >= spec.dense_bottom
+        injection = injection.replace(sparse_index=sparse_indices(spec, source_topk, alignment), sparse=sparse)
+    _, cache, _ = target.run_layers(target_ids, mask, cache=cache, injection=injection)
+    return cache, aux
+
+
+@nnx.jit(static_argnames=("topk",))
+def source_prefill(source, source_ids, source_mask, topk=0):
+    _, cache, indices = source.run_layers(source_ids, source_mask, topk=topk)
+    return cache, indices
+
+
+@nnx.jit(static_argnames=("capacity",))
+def _translate_jit(translator, source, target, source_cache, alignment, target_ids, target_mask, source_topk,
+                   capacity=None):  # fmt: skip
+    return translate(translator, source, target, source_cache, alignment, target_ids, target_mask, source_topk,
+                     capacity)  # fmt: skip
+
+
+def encode_texts(tokenizer, texts):
+    """Right-padded target ids [B, T] and mask of texts, with the tokenizer's own special tokens (e.g. a BOS)."""
+    encoded = [e.ids for e in alignment_lib.adapter(tokenizer).backend.encode_batch(list(texts))]
+    ids = np.zeros((len(encoded), max(map(len, encoded))), np.int32)
+    mask = np.zeros(ids.shape, bool)
+    for row, e in enumerate(encoded):
+        ids[row, : len(e)], mask[row, : len(e)] = e, True
+    return ids, mask
+
+
+class CacheTranslator:
+    """Turns source text (or a source cache) into a target cache ready for the target's generation, for a batch.
+
+    ct = CacheTranslator(source, target, source_tokenizer, target_tokenizer, translator)
+    cache, ids, mask = ct.from_text(["passage one ...", "passage two ..."], capacity=T + suffix)
+    logits, cache = target(suffix_ids, suffix_mask, cache=cache)
+    """
+
+    def __init__(self, source, target, source_tokenizer, target_tokenizer, translator: KVTranslator):
+        self.source, self.target, self.translator = source, target, translator
+        self.source_tokenizer, self.target_tokenizer = source_tokenizer, target_tokenizer
+
+    def from_text(self, texts, capacity=None):
+        """(target cache, target ids [B, T], target mask [B, T]) for a batch of context texts."""
+        if not texts or any(not t.strip() for t in texts):
+            raise MotJaxError("Every context text must be non-empty; drop empty examples before translating.")
+        ids, mask = encode_texts(self.target_tokenizer, texts)
+        return self.from_target_ids(ids, mask, capacity), ids, mask
+
+    def from_target_ids(self, target_ids, target_mask, capacity=None):
+        """The target cache of a padded batch of target-tokenized contexts (the source reads the same text)."""
+        source_ids, source_mask, alignment = alignment_lib.align_batch(
+            self.target_tokenizer, self.source_tokenizer, np.asarray(target_ids), np.asarray(target_mask)
+        )
+        spec = self.translator.spec
+        topk = spec.k_attn if spec.mode == "replay" and spec.sparse_attention else 0
+        source_cache, source_topk = source_prefill(self.source, jnp.asarray(source_ids), jnp.asarray(source_mask), topk)
+        return self.from_source_cache(source_cache, alignment, target_ids, target_mask, source_topk, capacity)
+
+    def from_source_cache(self, source_cache, alignment, target_ids, target_mask, source_topk=None, capacity=None):
+        if source_cache.k.shape[1] != np.shape(target_ids)[0]:
+            raise MotJaxError(
+                f"The source cache holds {source_cache.k.shape[1]} sequences but {np.shape(target_ids)[0]} target "
+                "contexts were given; pass one target context per source sequence."
+            )
+        cache, _ = _translate_jit(
+            self.translator, self.source, self.target, source_cache, alignment, jnp.asarray(target_ids),
+            jnp.asarray(target_mask), source_topk, capacity=capacity,
+        )  # fmt: skip
+        return cache
