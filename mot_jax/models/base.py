@@ -13,6 +13,8 @@ from flax import nnx, struct
 from mot_jax.models.cache import KVCache
 from mot_jax.models.layers import GLOBAL_WINDOW, attention_weights
 
+PREFILL_BLOCK = 512  # query block of a prefill into an empty cache (causal blocks above the diagonal are skipped)
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -95,44 +97,60 @@ class LayerCache:
     attention indices, when asked for) are read back after the block has run (trace-time bookkeeping only).
     """
 
-    def __init__(self, k_all, v_all, layer, index, q_pos, cache: KVCache, injection=None, topk=0):
+    def __init__(self, k_all, v_all, layer, index, q_pos, cache: KVCache, injection=None, topk=0, fresh=False):
         self.k_all, self.v_all, self.layer, self.index = k_all, v_all, layer, index
         self.q_pos, self.k_pos, self.k_valid = q_pos, cache.positions, cache.valid
         self.injection, self.topk, self.topk_indices = injection, topk, None
+        self.fresh = fresh  # the cache was empty before these tokens (index 0, known when tracing)
 
     def attend(self, q, k, v, *, scale, window=GLOBAL_WINDOW, softcap=None):
         """q: [B, T, H, d], k/v: [B, T, K, d] for the new tokens; returns [B, T, H * d]."""
         at = (self.layer, 0, 0, self.index, 0)
         self.k_all = jax.lax.dynamic_update_slice(self.k_all, k.transpose(0, 2, 1, 3)[None], at)
         self.v_all = jax.lax.dynamic_update_slice(self.v_all, v.transpose(0, 2, 1, 3)[None], at)
-        k_layer = jax.lax.dynamic_index_in_dim(self.k_all, self.layer, keepdims=False)
-        v_layer = jax.lax.dynamic_index_in_dim(self.v_all, self.layer, keepdims=False)
+        length = q.shape[1]
+        if self.fresh:  # only the new tokens can be visible: attend over them, in causal blocks
+            k_layer, v_layer = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+            k_pos, k_valid, offset = self.k_pos[:, :length], self.k_valid[:, :length], 0
+        else:
+            k_layer = jax.lax.dynamic_index_in_dim(self.k_all, self.layer, keepdims=False)
+            v_layer = jax.lax.dynamic_index_in_dim(self.v_all, self.layer, keepdims=False)
+            k_pos, k_valid, offset = self.k_pos, self.k_valid, self.index
         allowed = None
         if self.injection is not None:
-            k_layer, v_layer, allowed = self.injected(k_layer, v_layer, q.shape[1])
-        probs = attention_weights(
-            q, k_layer, self.q_pos, self.k_pos, self.k_valid, scale=scale, window=window, softcap=softcap,
-            allowed=allowed,
-        )  # fmt: skip
-        if self.topk:  # the keys this layer attends to most, averaged over heads: [B, T, topk]
-            k = min(self.topk, probs.shape[-1])
-            self.topk_indices = jax.lax.top_k(probs.mean(axis=(1, 2)), k)[1].astype(jnp.int32)
-        out = jnp.einsum("bkgts,bksd->btkgd", probs.astype(v_layer.dtype), v_layer)
-        return out.reshape(*q.shape[:2], -1)
+            k_layer, v_layer, allowed = self.injected(k_layer, v_layer, length, offset)
+        # Query blocks of a fresh prefill skip the keys after their last query (all causally masked).
+        block = PREFILL_BLOCK if self.fresh and length > PREFILL_BLOCK else length
+        topk = min(self.topk, block)
+        outs, tops = [], []
+        for start in range(0, length, block):
+            stop = min(start + block, length)
+            keys = stop if self.fresh else k_layer.shape[2]
+            probs = attention_weights(
+                q[:, start:stop], k_layer[:, :, :keys], self.q_pos[:, start:stop], k_pos[:, :keys], k_valid[:, :keys],
+                scale=scale, window=window, softcap=softcap,
+                allowed=None if allowed is None else allowed[:, start:stop, :keys],
+            )  # fmt: skip
+            if topk:  # the keys this layer attends to most, averaged over heads: [B, block, topk]
+                tops.append(jax.lax.top_k(probs.mean(axis=(1, 2)), topk)[1].astype(jnp.int32))
+            outs.append(jnp.einsum("bkgts,bksd->btkgd", probs.astype(v_layer.dtype), v_layer[:, :, :keys]))
+        if topk:
+            self.topk_indices = jnp.concatenate(tops, axis=1)
+        return jnp.concatenate(outs, axis=1).reshape(*q.shape[:2], -1)
 
-    def injected(self, k_layer, v_layer, length):
-        """This layer's attention keys/values and allowed-key mask under the injection."""
+    def injected(self, k_layer, v_layer, length, offset):
+        """This layer's attention keys/values and allowed-key mask under the injection (new tokens at `offset`)."""
         inj, layer_slot = self.injection, self.injection.slot
         use = layer_slot >= 0
         read = lambda a: jax.lax.dynamic_index_in_dim(a, jnp.maximum(layer_slot, 0), keepdims=False)  # noqa: E731
-        at = (0, 0, self.index, 0)
+        at = (0, 0, offset, 0)
         k_layer = jnp.where(use, jax.lax.dynamic_update_slice(k_layer, read(inj.k).astype(k_layer.dtype), at), k_layer)
         v_layer = jnp.where(use, jax.lax.dynamic_update_slice(v_layer, read(inj.v).astype(v_layer.dtype), at), v_layer)
         if inj.sparse_index is None:
             return k_layer, v_layer, None
-        b, capacity = self.k_valid.shape
+        b, capacity = k_layer.shape[0], k_layer.shape[2]
         index = inj.sparse_index  # [B, T, k] token indices into the new tokens
-        slots = jnp.where((index >= 0) & (index < length), index + self.index, capacity)
+        slots = jnp.where((index >= 0) & (index < length), index + offset, capacity)
         rows = jnp.arange(b)[:, None, None]
         chosen = (
             jnp.zeros((b, length, capacity), bool)
@@ -165,18 +183,21 @@ class CausalLM(nnx.Module):
             hidden = hidden[:, -logits_to_keep:]
         return self.unembed(hidden), cache
 
-    def hidden_states(self, input_ids, attention_mask=None, positions=None, cache=None):
-        """The final-normed hidden states [B, T, D] and the extended cache."""
-        hidden, cache, _ = self.run_layers(input_ids, attention_mask, positions, cache)
+    def hidden_states(self, input_ids, attention_mask=None, positions=None, cache=None, fresh=False):
+        """The final-normed hidden states [B, T, D] and the extended cache. `fresh=True` promises that `cache` is
+        empty (as `init_cache` returns it), which lets a long prefill skip causally masked key blocks."""
+        hidden, cache, _ = self.run_layers(input_ids, attention_mask, positions, cache, fresh=fresh)
         return hidden, cache
 
-    def run_layers(self, input_ids, attention_mask=None, positions=None, cache=None, injection=None, topk=0):
+    def run_layers(
+        self, input_ids, attention_mask=None, positions=None, cache=None, injection=None, topk=0, fresh=False
+    ):
         """`hidden_states` with an optional `Injection`, and with `topk > 0` also each layer's top-k attended keys
         (head-averaged attention weights) as [L, B, T, topk] slot indices (else None)."""
         batch, length = input_ids.shape
         mask = jnp.ones((batch, length), bool) if attention_mask is None else attention_mask.astype(bool)
         if cache is None:
-            cache = self.init_cache(batch, length)
+            cache, fresh = self.init_cache(batch, length), True
         if positions is None:
             positions = cache.next_positions()[:, None] + jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
         cache = cache.append_slots(positions, mask)
@@ -192,7 +213,7 @@ class CausalLM(nnx.Module):
             layer_params, layer, layer_injection = xs
             if layer_injection is not None:
                 layer_injection = layer_injection.replace(k=injection.k, v=injection.v)
-            layer_cache = LayerCache(k_all, v_all, layer, cache.index, positions, cache, layer_injection, topk)
+            layer_cache = LayerCache(k_all, v_all, layer, cache.index, positions, cache, layer_injection, topk, fresh)
             x = nnx.merge(graphdef, layer_params)(x, positions, layer, layer_cache)
             return (x, layer_cache.k_all, layer_cache.v_all), layer_cache.topk_indices
 
@@ -214,7 +235,7 @@ def last_valid_index(mask):
 def _prefill(model, input_ids, attention_mask, capacity):
     batch, length = input_ids.shape
     mask = jnp.ones((batch, length), bool) if attention_mask is None else attention_mask.astype(bool)
-    hidden, cache = model.hidden_states(input_ids, mask, cache=model.init_cache(batch, capacity or length))
+    hidden, cache = model.hidden_states(input_ids, mask, cache=model.init_cache(batch, capacity or length), fresh=True)
     return model.unembed(hidden[jnp.arange(batch), last_valid_index(mask)]), cache
 
 

@@ -153,7 +153,7 @@ def translate(translator, source, target, source_cache, alignment, target_ids, t
             raise MotJaxError("Sparse replay needs the source's attention top-k indices; pass source_topk.")
         sparse = np.arange(target.config.num_layers) >= spec.dense_bottom
         injection = injection.replace(sparse_index=sparse_indices(spec, source_topk, alignment), sparse=sparse)
-    _, cache, _ = target.run_layers(target_ids, mask, cache=cache, injection=injection)
+    _, cache, _ = target.run_layers(target_ids, mask, cache=cache, injection=injection, fresh=True)
     return cache, aux
 
 
