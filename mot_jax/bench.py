@@ -2,14 +2,19 @@
 
   python -m mot_jax.bench models                       # random-init gpt2 / opt-125m / qwen2 shapes, 512 tokens
   python -m mot_jax.bench models --models=smollm2-135m,gemma3-270m --lengths=128,512,2048 --decode_tokens=32
+  python -m mot_jax.bench mixture                      # sparse against dense mixture, N = 2, 4, 8 and k = 1, 2
+  python -m mot_jax.bench align                        # alignment of 2,048-token texts against the reference
+  python -m mot_jax.bench ttft --lengths=128,512,2048  # native prefill / replay / direct on the offline pair
 
 Both sides do the same work in one process, interleaved: same weights, dtype, batch and tokens; prefill fills the
 cache and computes logits for the last position only (transformers: `logits_to_keep=1`); torch uses as many
 threads as XLA has cores; compile time is reported apart; each cell is the median of `--runs` timed runs.
 """
 
+# ruff: noqa: B023  (the timing closures below run inside the loop iteration that defines them)
 from __future__ import annotations
 
+import dataclasses
 import os
 import platform
 import statistics
@@ -18,6 +23,8 @@ import time
 
 from absl import app, flags
 
+from mot_jax.jit import jit
+
 FLAGS = flags.FLAGS
 flags.DEFINE_list("models", ["gpt2", "opt-125m", "qwen2-160m"], "Random-init shapes (see RANDOM) or model names.")
 flags.DEFINE_list("lengths", ["512"], "Prompt lengths.")
@@ -25,6 +32,9 @@ flags.DEFINE_list("batches", ["1", "8"], "Batch sizes.")
 flags.DEFINE_list("dtypes", ["float32", "bfloat16"], "Dtypes.")
 flags.DEFINE_integer("runs", 5, "Timed runs per cell (median reported).")
 flags.DEFINE_integer("decode_tokens", 0, "Also time greedy decoding of this many tokens at batch 1 (0: skip).")
+
+# The translator size the benchmarks time (and the offline configs use): small enough for a CPU.
+TRANSLATOR_SIZE = dict(dim=256, heads=4, depth=1, mlp_ratio=4, num_experts=2, top_k=1)
 
 # Random-init stand-ins with the real shapes (Qwen2 at 12 layers of Qwen2.5-0.5B so a CPU run stays short).
 RANDOM = {
@@ -106,9 +116,8 @@ def bench_prefill(ours, theirs, ids):
     import jax
     import jax.numpy as jnp
     import torch
-    from flax import nnx
 
-    prefill = nnx.jit(lambda model, ids: model(ids, logits_to_keep=1)[0])
+    prefill = jit(lambda model, ids: model(ids, logits_to_keep=1)[0])
     jids, tids = jnp.asarray(ids), torch.tensor(ids)
 
     def run_ours():
@@ -155,14 +164,22 @@ def bench_decode(ours, theirs):
     return ours_rate, theirs_rate
 
 
-def print_tables(rows, decode_rows):
+def machine_line():
     import jax
-    import torch
-    import transformers
 
-    print(f"\nmachine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; "
-          f"jax {jax.__version__} ({jax.default_backend()}), torch {torch.__version__}, "
-          f"transformers {transformers.__version__}; median of {FLAGS.runs}\n")  # fmt: skip
+    versions = f"jax {jax.__version__} ({jax.default_backend()})"
+    try:
+        import torch
+        import transformers
+
+        versions += f", torch {torch.__version__}, transformers {transformers.__version__}"
+    except ImportError:
+        pass
+    return f"machine: {platform.machine()}, {os.cpu_count()} cores; {versions}; median of {FLAGS.runs} runs"
+
+
+def print_tables(rows, decode_rows):
+    print()
     print("| model | dtype | tokens | batch | mot_jax (ms) | transformers (ms) | speed-up | jit compile (s) |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     for name, dtype, length, batch, mo, mt, compile_s in rows:
@@ -185,10 +202,118 @@ def print_tables(rows, decode_rows):
             print(f"| {name} | {dtype} | {ours:.1f} | {theirs:.1f} | {ours / theirs:.2f}x |")
 
 
+def bench_mixture():
+    """Forward time of one mixture (the offline pair's replay window) at 512 tokens, sparse against dense."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from mot_jax.translate.expert import TranslatorConfig
+    from mot_jax.translate.mixture import MixtureOfTranslators
+
+    base = TranslatorConfig(source_width=192, target_width=256, window=5, **TRANSLATOR_SIZE)
+    x = jax.random.normal(jax.random.key(0), (1, 512, base.window, base.source_width))
+    forward = jit(lambda m, x: m(x))
+    print("\n| experts N | top-k | dense (ms) | sparse (ms) | speed-up | tokens over capacity |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for experts in (2, 4, 8):
+        for k in (1, 2):
+            times, dropped = {}, 0
+            for dispatch in ("dense", "sparse"):
+                cfg = dataclasses.replace(base, num_experts=experts, top_k=k, dispatch=dispatch)
+                model = MixtureOfTranslators(cfg, rngs=nnx.Rngs(0))
+                run = lambda: jax.block_until_ready(forward(model, x))  # noqa: E731
+                run()
+                times[dispatch] = median_time(run, FLAGS.runs)
+                dropped = int(np.asarray(forward(model, x)[1]["stats"]["dropped"]))
+            ratio = times["dense"] / times["sparse"]
+            cells = (experts, k, f"{times['dense'] * 1e3:.0f}", f"{times['sparse'] * 1e3:.0f}", f"{ratio:.2f}x",
+                     f"{dropped} / {512 * k}")  # fmt: skip
+            print("| " + " | ".join(map(str, cells)) + " |", flush=True)
+
+
+def bench_align():
+    from mot_jax.models.gguf import load_tokenizer
+    from mot_jax.translate.align_reference import benchmark_alignment
+
+    target, source = load_tokenizer("gemma3-270m"), load_tokenizer("smollm2-135m")
+    print("\n| batch | ids | rows on the prefix fallback | mot_jax (ms) | per-token reference (ms) | speed-up |")
+    print("|---:|---|---:|---:|---:|---:|")
+    for canonical in (True, False):
+        for batch in (1, 8):
+            r = benchmark_alignment(target, source, length=2048, batch=batch, canonical=canonical, runs=FLAGS.runs)
+            kind = "re-encodable" if canonical else "not re-encodable"
+            cells = (batch, kind, r["fallback_rows"], f"{r['ours_s'] * 1e3:.1f}", f"{r['reference_s'] * 1e3:.0f}",
+                     f"{r['speedup']:.0f}x")  # fmt: skip
+            print("| " + " | ".join(map(str, cells)) + " |", flush=True)
+
+
+def bench_ttft():
+    """Time to first token on the offline pair (source smollm2-135m, target gemma3-270m), untrained translators."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from mot_jax.models.base import prefill
+    from mot_jax.models.gguf import load_tokenizer
+    from mot_jax.models.loading import load_model
+    from mot_jax.translate import align, channels
+    from mot_jax.translate.align_reference import synthetic_text
+    from mot_jax.translate.translator import (
+        KVTranslator,
+        TranslationSpec,
+        _translate_jit,
+        mixture_config,
+        source_prefill,
+    )
+
+    source, target = load_model("smollm2-135m")[0], load_model("gemma3-270m")[0]
+    source_tok, target_tok = load_tokenizer("smollm2-135m"), load_tokenizer("gemma3-270m")
+    suffix = jnp.asarray(np.random.default_rng(0).integers(1000, 5000, size=(1, 16)), jnp.int32)
+    first_token = jit(lambda model, ids, cache: model(ids, cache=cache, logits_to_keep=1)[0])
+    print("\n| context tokens | native prefill (ms) | replay (ms) | direct (ms) | + source prefill (ms) | "
+          "direct / native |")  # fmt: skip
+    print("|---:|---:|---:|---:|---:|---:|")
+    for length in map(int, FLAGS.lengths):
+        ids = jnp.asarray([target_tok.encode(synthetic_text(8 * length, 0)).ids[:length]], jnp.int32)
+        mask = jnp.ones(ids.shape, bool)
+        source_ids, source_mask, alignment = align.align_batch(
+            target_tok, source_tok, np.asarray(ids), np.asarray(mask)
+        )
+        source_ids, source_mask = jnp.asarray(source_ids), jnp.asarray(source_mask)
+        full = jnp.concatenate([ids, suffix], axis=1)
+        times = {"native": median_time(lambda: jax.block_until_ready(prefill(target, full)), 1)}  # compile
+        times["native"] = median_time(lambda: jax.block_until_ready(prefill(target, full)), FLAGS.runs)
+        for mode in ("replay", "direct"):
+            spec = TranslationSpec.build(mode, channels.terminal(30, 18, 0.3), 30, 18)
+            translator = KVTranslator(spec, mixture_config(spec, source, target, **TRANSLATOR_SIZE), rngs=nnx.Rngs(0))
+            topk = spec.k_attn if mode == "replay" else 0
+            source_cache, source_topk = source_prefill(source, source_ids, source_mask, topk=topk)
+
+            def ttft():
+                cache = _translate_jit(translator, source, target, source_cache, alignment, ids, mask, source_topk,
+                                       capacity=length + 16)  # fmt: skip
+                return jax.block_until_ready(first_token(target, suffix, cache))
+
+            ttft()
+            times[mode] = median_time(ttft, FLAGS.runs)
+        times["source"] = median_time(
+            lambda: jax.block_until_ready(source_prefill(source, source_ids, source_mask)), FLAGS.runs
+        )
+        cells = (length, *(f"{times[m] * 1e3:.0f}" for m in ("native", "replay", "direct", "source")),
+                 f"{times['direct'] / times['native']:.2f}")  # fmt: skip
+        print("| " + " | ".join(map(str, cells)) + " |", flush=True)
+
+
+BENCHMARKS = {"models": bench_models, "mixture": bench_mixture, "align": bench_align, "ttft": bench_ttft}
+
+
 def main(argv):
-    if argv[1:] != ["models"]:
-        raise app.UsageError("usage: python -m mot_jax.bench models [--flags]")
-    bench_models()
+    if len(argv) != 2 or argv[1] not in BENCHMARKS:
+        raise app.UsageError(f"usage: python -m mot_jax.bench {{{'|'.join(BENCHMARKS)}}} [--flags]")
+    print(machine_line(), flush=True)
+    BENCHMARKS[argv[1]]()
 
 
 if __name__ == "__main__":

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
+from mot_jax.jit import jit
 from mot_jax.models.cache import KVCache
 from mot_jax.models.layers import GLOBAL_WINDOW, attention_weights
 
@@ -239,20 +239,20 @@ def _prefill(model, input_ids, attention_mask, capacity):
     return model.unembed(hidden[jnp.arange(batch), last_valid_index(mask)]), cache
 
 
-@functools.partial(nnx.jit, static_argnames=("capacity",))
+@jit(static_argnames=("capacity",))
 def prefill(model, input_ids, attention_mask=None, *, capacity=None):
     """(logits of each row's last valid token [B, V], a cache of `capacity` slots holding the prompt)."""
     return _prefill(model, input_ids, attention_mask, capacity)
 
 
-@functools.partial(nnx.jit, donate_argnames=("cache",))
+@jit(donate_argnums=(2,))
 def decode_step(model, tokens, cache):
     """One token per row [B] into a preallocated cache (donated: updated in place); returns (logits [B, V], cache)."""
     logits, cache = model(tokens[:, None], cache=cache)
     return logits[:, -1], cache
 
 
-@functools.partial(nnx.jit, static_argnames=("max_new_tokens", "eos_ids"))
+@jit(static_argnames=("max_new_tokens", "eos_ids"))
 def generate(model, input_ids, attention_mask=None, *, max_new_tokens, eos_ids=None):
     """Greedy decoding as one program: prefill into a preallocated cache, then a scan of single-token steps.
 

@@ -38,7 +38,7 @@ class TranslatorConfig:
     num_experts: int = 2
     top_k: int = 1
     dispatch: str = "sparse"  # "sparse" (only routed tokens' queries) | "dense" (every expert on every token)
-    capacity_factor: float = 2.0  # sparse: slots per expert and row = ceil(factor * k * T / N), at most T
+    capacity_factor: float = 1.25  # sparse: slots per expert and row = ceil(factor * k * T / N), at most T
 
     @property
     def router_hidden(self):

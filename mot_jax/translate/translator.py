@@ -20,6 +20,7 @@ import numpy as np
 from flax import nnx
 
 from mot_jax.errors import MotJaxError
+from mot_jax.jit import jit
 from mot_jax.models import decoder
 from mot_jax.models.base import CausalLM, Injection
 from mot_jax.models.layers import apply_rope
@@ -157,14 +158,14 @@ def translate(translator, source, target, source_cache, alignment, target_ids, t
     return cache, aux
 
 
-@nnx.jit(static_argnames=("topk",))
-def source_prefill(source, source_ids, source_mask, topk=0):
+@jit(static_argnames=("topk",))
+def source_prefill(source, source_ids, source_mask, *, topk=0):
     _, cache, indices = source.run_layers(source_ids, source_mask, topk=topk)
     return cache, indices
 
 
-@nnx.jit(static_argnames=("capacity",))
-def _translate_jit(translator, source, target, source_cache, alignment, target_ids, target_mask, source_topk,
+@jit(static_argnames=("capacity",))
+def _translate_jit(translator, source, target, source_cache, alignment, target_ids, target_mask, source_topk, *,
                    capacity=None):  # fmt: skip
     return translate(translator, source, target, source_cache, alignment, target_ids, target_mask, source_topk,
                      capacity)  # fmt: skip
@@ -206,7 +207,9 @@ class CacheTranslator:
         )
         spec = self.translator.spec
         topk = spec.k_attn if spec.mode == "replay" and spec.sparse_attention else 0
-        source_cache, source_topk = source_prefill(self.source, jnp.asarray(source_ids), jnp.asarray(source_mask), topk)
+        source_cache, source_topk = source_prefill(
+            self.source, jnp.asarray(source_ids), jnp.asarray(source_mask), topk=topk
+        )
         return self.from_source_cache(source_cache, alignment, target_ids, target_mask, source_topk, capacity)
 
     def from_source_cache(self, source_cache, alignment, target_ids, target_mask, source_topk=None, capacity=None):
