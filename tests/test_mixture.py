@@ -26,11 +26,12 @@ def mixture(**changes):
     return MixtureOfTranslators(dataclasses.replace(TINY, **changes), rngs=nnx.Rngs(0))
 
 
-@pytest.mark.parametrize("experts,k", [(2, 1), (4, 2), (8, 1), (8, 2)])
-def test_sparse_dispatch_equals_dense(experts, k):
+@pytest.mark.parametrize("experts,k,fused", [(2, 1, True), (4, 2, True), (8, 1, True), (8, 2, False)])
+def test_sparse_dispatch_equals_dense(experts, k, fused):
     x, mask = inputs()
-    sparse = mixture(num_experts=experts, top_k=k, dispatch="sparse", capacity_factor=experts)  # never drops
-    dense = mixture(num_experts=experts, top_k=k, dispatch="dense")
+    common = dict(num_experts=experts, top_k=k, fused_output=fused)
+    sparse = mixture(**common, dispatch="sparse", capacity_factor=experts)  # never drops
+    dense = mixture(**common, dispatch="dense")
     y_sparse, aux = sparse(x, mask)
     y_dense, aux_dense = dense(x, mask)
     np.testing.assert_allclose(np.asarray(y_sparse), np.asarray(y_dense), atol=1e-5, rtol=0)

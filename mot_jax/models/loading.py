@@ -28,7 +28,8 @@ FAMILIES = {
     "llama": (llama, decoder.RotaryLM),
     "gemma3_text": (gemma3, decoder.RotaryLM),
 }
-FAMILY_BY_NAME = {module.__name__.rsplit(".", 1)[1]: entry for entry in FAMILIES.values() for module in entry[:1]}
+# cfg.family -> (family module, model class)
+FAMILY_BY_NAME = {module.__name__.rsplit(".", 1)[1]: (module, cls) for module, cls in FAMILIES.values()}
 # Tensors in checkpoints that are not parameters: causal-mask buffers (old GPT-2), cached RoPE frequencies.
 IGNORED = (r"\.attn\.(bias|masked_bias)$", r"rotary_emb\.inv_freq$")
 DTYPES = {"float32": jnp.float32, "fp32": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16}
@@ -86,8 +87,8 @@ class TensorSource:
 
     def __init__(self, model_dir: Path, base_prefix: str):
         self.files: dict[str, Path] = {}
-        index = next((model_dir / n for n in ("model.safetensors.index.json",) if (model_dir / n).is_file()), None)
-        if index is not None:
+        index = model_dir / "model.safetensors.index.json"
+        if index.is_file():
             weight_map = json.loads(index.read_text())["weight_map"]
             self.files = {name: model_dir / f for name, f in weight_map.items()}
             self.kind = "safetensors"

@@ -34,6 +34,7 @@ class TranslatorConfig:
     depth: int = 2  # R stages of W un-shared cross-attention blocks
     mlp_ratio: int = 4
     output_activation: str = "gelu"  # "gelu" (paper) | "none"
+    fused_output: bool = True  # one projection of all W states to all W layers (paper, W^2 cost) or one per layer
     causal: bool = False  # translator attention over the context: bidirectional (paper) or causal
     num_experts: int = 2
     top_k: int = 1
@@ -102,8 +103,13 @@ class Experts(nnx.Module):
         self.input_norm = LayerNorm(cfg.source_width, EPS, **kw)
         self.input_proj = Linear(cfg.source_width, D, (None, "embed"), **kw, std=torch_std(cfg.source_width))
         self.blocks = CrossAttentionBlocks(cfg, rngs=rngs, dtype=dtype)
-        self.output_norm = LayerNorm(W * D, EPS, **kw)
-        self.output_proj = Linear(W * D, W * cfg.target_width, ("embed", None), **kw, std=torch_std(W * D))
+        if cfg.fused_output:
+            self.output_norm = LayerNorm(W * D, EPS, **kw)
+            self.output_proj = Linear(W * D, W * cfg.target_width, ("embed", None), **kw, std=torch_std(W * D))
+        else:  # per window layer: [expert, W, ...]
+            per_layer = dict(rngs=rngs, dtype=dtype, lead=(cfg.num_experts, W), lead_names=("expert", "layers"))
+            self.output_norm = LayerNorm(D, EPS, **per_layer)
+            self.output_proj = Linear(D, cfg.target_width, ("embed", None), **per_layer, std=torch_std(D))
 
     def __call__(self, x, token_mask, query_index):
         """x [B, T, W, ds]; token_mask [B, T]; query_index [E, B, C] token positions -> [E, B, C, W, dt]."""
@@ -128,7 +134,11 @@ class Experts(nnx.Module):
 
         _, states = jax.lax.scan(step, g, (blocks, jnp.tile(jnp.arange(w), cfg.depth)))
         last_stage = jnp.moveaxis(states[-w:], 0, 2)  # the last stage's W states: [B, C, W, D]
-        y = self.output_proj(self.output_norm(last_stage.reshape(b, -1, w * cfg.dim)))
+        if cfg.fused_output:
+            y = self.output_proj(self.output_norm(last_stage.reshape(b, -1, w * cfg.dim)))
+        else:
+            proj = self.output_proj
+            y = jnp.einsum("bcwd,wdo->bcwo", self.output_norm(last_stage), proj.kernel[...]) + proj.bias[...]
         if cfg.output_activation == "gelu":
             y = gelu(y)
         return y.reshape(b, -1, w, cfg.target_width)
