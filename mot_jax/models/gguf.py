@@ -17,6 +17,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import tempfile
 import warnings
 from pathlib import Path
@@ -342,6 +343,7 @@ def convert(path, name: str | None = None, dtype="float32", load=True):
             model, config = loading.load_model(str(cache_dir), dtype) if load else (None, None)
             return model, config or json.loads((cache_dir / "config.json").read_text()), cache_dir
         warnings.warn(f"The GGUF cache {cache_dir} is damaged ({problem}); rebuilding it from {path}.", stacklevel=2)
+    print(f"Converting {path.name} into {cache_dir} (once; later loads read the cache)...", file=sys.stderr, flush=True)
     config, tensors, meta = read_gguf(path)
     model = model_from_tensors(config, tensors, dtype)  # checks every name and shape before anything is written
     _write_cache(cache_dir, path, config, tensors, has_tokenizer="tokenizer.ggml.model" in meta)
