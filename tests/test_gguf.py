@@ -132,3 +132,12 @@ def test_embedded_model_passes_convert_check(name):
     lines = []
     assert convert(name, check=True, prompts=["The capital of France is", "def fibonacci(n):"], out=lines.append) == 0
     assert all("20 of 20 agree" in line for line in lines[1:-1]) and lines[-1].startswith("OK: within atol 0.001")
+
+
+def test_gguf_missing_tensor_is_named(tmp_path, cache):
+    reference = save_tiny(TINY["llama"](), tmp_path / "hf")
+    write_gguf(tmp_path / "tiny.gguf", reference, "llama")
+    config, tensors, _ = mgguf.read_gguf(tmp_path / "tiny.gguf")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    with pytest.raises(MotJaxError, match="lacks tensor 'model.layers.1.mlp.up_proj.weight'"):
+        mgguf.model_from_tensors(config, tensors)

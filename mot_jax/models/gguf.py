@@ -238,26 +238,10 @@ def hf_config(meta: dict, shapes: dict[str, tuple]) -> dict:
 # ----------------------------------------------------------------------------------------------------- loading
 
 
-class ArraySource:
-    """In-memory tensors with the interface of `loading.TensorSource` (names without the base-model prefix)."""
-
-    def __init__(self, tensors: dict[str, np.ndarray], base_prefix: str):
-        self.tensors = tensors
-        self.by_name = {(n[len(base_prefix) :] if n.startswith(base_prefix) else n): n for n in tensors}
-
-    def names(self):
-        return set(self.by_name)
-
-    def get(self, name) -> np.ndarray:
-        return self.tensors[self.by_name[name]]
-
-
 def model_from_tensors(config: dict, tensors: dict[str, np.ndarray], dtype="float32"):
     module, _ = loading.FAMILIES[config["model_type"]]
-    cfg = module.config_from_hf(config)
-    ignored = loading.IGNORED + ((r"^lm_head\.weight$",) if cfg.tie_embeddings else ())
-    model = loading.build_model(cfg, loading.resolve_dtype(dtype), abstract=True)
-    return loading.load_params_into(model, ArraySource(tensors, module.BASE_PREFIX), module.hf_table(cfg), ignored)
+    source = loading.TensorSource.from_arrays(tensors, module.BASE_PREFIX)
+    return loading.load_from_source(module.config_from_hf(config), source, dtype)
 
 
 def cache_dir_for(path: Path, name: str | None = None) -> Path:

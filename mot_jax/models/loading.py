@@ -83,31 +83,32 @@ def read_config(model_dir: Path) -> tuple[dict, ModelConfig]:
 
 
 class TensorSource:
-    """Lazy access to a checkpoint's tensors by HF name (safetensors, sharded or not; or pytorch_model.bin)."""
+    """Access to a checkpoint's tensors by HF name: in memory (`from_arrays`) or read lazily from a directory
+    (`from_dir`: safetensors, sharded or not; or pytorch_model.bin). Names are looked up without the base-model
+    prefix ("transformer.", "model."), which some checkpoints omit."""
 
-    def __init__(self, model_dir: Path, base_prefix: str):
-        self.files: dict[str, Path] = {}
-        index = model_dir / "model.safetensors.index.json"
+    def __init__(self, names, base_prefix: str, arrays=None, files=None):
+        self.arrays, self.files = arrays or {}, files or {}
+        self.by_name = {(n[len(base_prefix) :] if n.startswith(base_prefix) else n): n for n in names}
+        self.prefix = base_prefix if any(n.startswith(base_prefix) for n in names) else ""
+        self._open = {}
+
+    @classmethod
+    def from_arrays(cls, tensors: dict[str, np.ndarray], base_prefix: str):
+        return cls(list(tensors), base_prefix, arrays=tensors)
+
+    @classmethod
+    def from_dir(cls, model_dir: Path, base_prefix: str):
+        index, single = model_dir / "model.safetensors.index.json", model_dir / "model.safetensors"
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            self.files = {name: model_dir / f for name, f in weight_map.items()}
-            self.kind = "safetensors"
-        elif (model_dir / "model.safetensors").is_file():
-            self.kind = "safetensors"
-            self.files = {
-                name: model_dir / "model.safetensors"
-                for name in self._safetensors_keys(model_dir / "model.safetensors")
-            }
+            files = {name: model_dir / f for name, f in json.loads(index.read_text())["weight_map"].items()}
+        elif single.is_file():
+            files = {name: single for name in cls._safetensors_keys(single)}
         elif list(model_dir.glob("pytorch_model*.bin")):
-            self.kind = "torch"
-            self.torch_tensors = self._load_torch_bins(sorted(model_dir.glob("pytorch_model*.bin")))
-            self.files = {name: None for name in self.torch_tensors}
+            return cls.from_arrays(cls._load_torch_bins(sorted(model_dir.glob("pytorch_model*.bin"))), base_prefix)
         else:
             raise MotJaxError(f"{model_dir} has no model.safetensors(.index.json) or pytorch_model.bin weights.")
-        # Names without the base-model prefix ("transformer.", "model."), which some checkpoints omit.
-        self.by_name = {(n[len(base_prefix) :] if n.startswith(base_prefix) else n): n for n in self.files}
-        self.prefix = base_prefix if any(n.startswith(base_prefix) for n in self.files) else ""
-        self._open = {}
+        return cls(list(files), base_prefix, files=files)
 
     @staticmethod
     def _safetensors_keys(path):
@@ -149,8 +150,8 @@ class TensorSource:
 
     def get(self, name) -> np.ndarray:
         full = self.by_name[name]
-        if self.kind == "torch":
-            return self.torch_tensors[full]
+        if full in self.arrays:
+            return self.arrays[full]
         from safetensors import safe_open
 
         path = self.files[full]
@@ -219,14 +220,18 @@ def load_model(name_or_path: str, dtype="float32"):
     if gguf_path is not None:
         model, config, _ = gguf.convert(gguf_path, name_or_path if name_or_path in gguf.EMBEDDED else None, dtype)
         return model, config
-    dtype = resolve_dtype(dtype)
     model_dir = resolve_model_dir(name_or_path)
     hf_config, cfg = read_config(model_dir)
+    source = TensorSource.from_dir(model_dir, FAMILY_BY_NAME[cfg.family][0].BASE_PREFIX)
+    return load_from_source(cfg, source, dtype), hf_config
+
+
+def load_from_source(cfg: ModelConfig, source: TensorSource, dtype="float32"):
+    """A model of `cfg` with its parameters from `source` through the family's table (names and shapes checked)."""
     module, _ = FAMILY_BY_NAME[cfg.family]
-    source = TensorSource(model_dir, module.BASE_PREFIX)
     ignored = IGNORED + ((r"^lm_head\.weight$",) if cfg.tie_embeddings else ())
-    model = load_params_into(build_model(cfg, dtype, abstract=True), source, module.hf_table(cfg), ignored)
-    return model, hf_config
+    model = build_model(cfg, resolve_dtype(dtype), abstract=True)
+    return load_params_into(model, source, module.hf_table(cfg), ignored)
 
 
 def hf_state_dict(model) -> dict[str, np.ndarray]:
