@@ -213,8 +213,13 @@ def load_params_into(model, source: TensorSource, table, ignored=()):
 
 
 def load_model(name_or_path: str, dtype="float32"):
-    """(model, config dict) from an embedded model name, a GGUF file, a hub id or a checkpoint directory."""
-    from mot_jax.models import gguf  # gguf builds on this module
+    """(model, config dict) from an embedded model name, a GGUF file, a hub id, a checkpoint directory or a tiny
+    random model (`random:FAMILY`, see `mot_jax.models.tiny`)."""
+    from mot_jax.models import gguf, tiny  # they build on this module
+
+    if tiny.is_random(name_or_path):
+        model, config, _ = tiny.load(name_or_path, dtype)
+        return model, config
 
     gguf_path = gguf.resolve_gguf(name_or_path)
     if gguf_path is not None:
@@ -244,3 +249,23 @@ def hf_state_dict(model) -> dict[str, np.ndarray]:
     tensors = to_hf_state_dict(flat, module.hf_table(cfg), cfg.num_layers)
     prefix = module.BASE_PREFIX
     return {(n if n.startswith("lm_head") else prefix + n): t for n, t in tensors.items()}
+
+
+def load_tokenizer(name_or_path: str):
+    """The tokenizer of a model name as `load_model` takes it: a `tokenizers.Tokenizer` (tokenizer.json) where the
+    checkpoint has one, else transformers' `AutoTokenizer` (e.g. GPT-2's vocab.json + merges.txt)."""
+    from mot_jax.models import gguf, tiny
+
+    if tiny.is_random(name_or_path):
+        return tiny.tokenizer(tiny.hf_config(name_or_path)["vocab_size"])
+    if gguf.resolve_gguf(name_or_path) is not None:
+        return gguf.load_tokenizer(name_or_path)
+    model_dir = resolve_model_dir(name_or_path)
+    if (model_dir / "tokenizer.json").is_file():
+        return gguf.load_tokenizer(model_dir)
+    try:
+        import transformers
+
+        return transformers.AutoTokenizer.from_pretrained(str(model_dir))
+    except Exception as e:
+        raise MotJaxError(f"{model_dir} has no usable tokenizer ({type(e).__name__}); add its tokenizer files.") from e

@@ -1,0 +1,1 @@
+"""Training: input pipeline, objective, optimizer, checkpoints and the loop."""

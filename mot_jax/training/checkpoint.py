@@ -1,0 +1,65 @@
+"""Orbax checkpoints of a training run, behind one small class (a move to another Orbax API touches this file).
+
+A checkpoint holds the trainable state (translator params, optimizer state, RNG) as arrays and, as JSON, the step,
+the input position, the resolved channel map, the config and the experiment's identity (model pair and translator
+shape). `workdir/checkpoints` keeps the last K; `workdir/best` keeps the one with the lowest validation loss.
+Saves are asynchronous; `close()` waits for them.
+"""
+
+from __future__ import annotations
+
+import jax
+import orbax.checkpoint as ocp
+
+from mot_jax.errors import MotJaxError
+
+
+def _manager(path, keep: int) -> ocp.CheckpointManager:
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_async_checkpointing=True)
+    return ocp.CheckpointManager(path, options=options)
+
+
+class Checkpoints:
+    def __init__(self, workdir, keep: int):
+        self.workdir = workdir  # an absolute etils.epath.Path (local or gs://)
+        self.last = _manager(self.workdir / "checkpoints", keep)
+        self.best = _manager(self.workdir / "best", 1)
+
+    def latest_step(self) -> int | None:
+        return self.last.latest_step()
+
+    def save(self, step: int, state, meta: dict, best: bool = False):
+        args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
+        self.last.save(step, args=args, force=True)
+        if best:
+            self.best.save(step, args=args, force=True)
+
+    def read_meta(self, step: int | None = None, which: str = "last") -> dict:
+        manager = self.best if which == "best" else self.last
+        step = manager.latest_step() if step is None else step
+        try:
+            return manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        except Exception as e:
+            raise self._unreadable(manager, step, e) from None
+
+    def restore(self, state, step: int | None = None, which: str = "last"):
+        """The saved arrays in the structure, dtypes and shardings of `state` (a live or abstract pytree)."""
+        manager = self.best if which == "best" else self.last
+        step = manager.latest_step() if step is None else step
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+        try:
+            return manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
+        except Exception as e:
+            raise self._unreadable(manager, step, e) from None
+
+    def _unreadable(self, manager, step, error):
+        return MotJaxError(
+            f"The checkpoint of step {step} in {manager.directory} cannot be read ({type(error).__name__}: "
+            f"{str(error)[:200]}); delete that step's folder to fall back to an earlier one, or use a new --workdir."
+        )
+
+    def close(self):
+        self.last.wait_until_finished()
+        self.best.wait_until_finished()
+        self.last.close()
+        self.best.close()

@@ -1,0 +1,110 @@
+"""The training config: every key with its default (the paper's recipe), and the `:tiny` shrink.
+
+Experiment files in `configs/` start from `base()` and change what differs; `python -m mot_jax.train` locks the
+config, so a misspelt `--config.key=value` fails instead of being ignored.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+from mot_jax.errors import MotJaxError
+
+
+def base() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.source = "gpt2-medium"  # model names: embedded (smollm2-135m), GGUF file, HF dir or hub id, random:FAMILY
+    c.target = "gpt2"
+    c.dtype = "float32"  # LLM weights and compute: float32 | bfloat16 (translator params and optimizer stay fp32)
+    c.seed = 42
+
+    c.data = ml_collections.ConfigDict()
+    c.data.corpus = "docs_prose"  # docs_prose (offline) | a folder or file | tfds:NAME | huggingface:NAME
+    c.data.data_dir = ""  # prepared TFDS data and chunk tables; "" = the mot_jax cache
+    c.data.total_tokens = 128  # target tokens per chunk: context P-1, prompt (suffix) T-P+1, labels shifted
+    c.data.prefix_tokens = 64
+    c.data.source_length = 128  # static source context length (chunks whose source text is longer are skipped)
+
+    c.translator = ml_collections.ConfigDict()
+    c.translator.mode = "replay"  # replay (paper) | direct
+    c.translator.channels = ml_collections.ConfigDict()
+    c.translator.channels.mode = "depth_ratio"  # terminal | depth_ratio | explicit (replay only)
+    c.translator.channels.ratio = 0.3  # terminal
+    c.translator.channels.min_ratio = 0.3  # depth_ratio: proxy search over windows of these sizes
+    c.translator.channels.max_ratio = 0.3
+    c.translator.channels.grow_only_if_better = False
+    c.translator.channels.source_layers = ()  # explicit
+    c.translator.channels.target_layers = ()
+    c.translator.channels.search_steps = 128  # proxy training steps per candidate window (N=1 translator)
+    c.translator.channels.search_eval_batches = 4
+    c.translator.dim = 1024
+    c.translator.heads = 16
+    c.translator.depth = 2
+    c.translator.mlp_ratio = 4
+    c.translator.output_activation = "gelu"  # gelu (paper) | none
+    c.translator.fused_output = True
+    c.translator.causal = False
+    c.translator.rotary = False
+    c.translator.num_experts = 2
+    c.translator.top_k = 1
+    c.translator.dispatch = "sparse"  # sparse (real top-k dispatch) | dense (the reference)
+    c.translator.capacity_factor = 1.25
+    c.translator.sparse_attention = True  # replay: top-k attention from the source's attention (paper)
+    c.translator.k_attn = 32
+    c.translator.dense_bottom = 2
+
+    c.loss = ml_collections.ConfigDict()
+    c.loss.correction_weight = 1.0  # lambda on MSE(K) + MSE(V) against the native prefill
+    c.loss.load_balance_weight = 0.01
+    c.loss.z_loss_weight = 0.001
+
+    c.optim = ml_collections.ConfigDict()
+    c.optim.learning_rate = 1e-4
+    c.optim.weight_decay = 0.01
+    c.optim.b1 = 0.9
+    c.optim.b2 = 0.999
+    c.optim.eps = 1e-8
+    c.optim.warmup_steps = 50
+    c.optim.clip_norm = 1.0
+
+    c.steps = 500
+    c.batch_size = 4  # sequences per micro-batch (global, over all devices)
+    c.grad_accum = 4  # micro-batches per optimizer step
+    c.mesh = ml_collections.ConfigDict()
+    c.mesh.data = -1  # -1: all devices the expert axis leaves
+    c.mesh.expert = 1
+    c.mesh.fsdp = False  # split the frozen LLMs' weights over `data` too
+
+    c.log_every = 25
+    c.eval_every = 100
+    c.eval_batches = 8  # validation batches for the validation loss
+    c.checkpoint_every = 100
+    c.keep_checkpoints = 3
+    c.final_eval_batches = 16  # held-out batches for the closing no-context / native / translated comparison
+    return c
+
+
+TINY_TRANSLATOR = dict(dim=32, heads=2, depth=1, mlp_ratio=2)
+
+
+def tiny(c: ml_collections.ConfigDict, source: str, target: str) -> ml_collections.ConfigDict:
+    """Shrink a config to a seconds-long CPU run on tiny random models of the given families."""
+    c.source, c.target = f"random:{source}", f"random:{target}"
+    c.data.total_tokens, c.data.prefix_tokens, c.data.source_length = 32, 16, 48
+    c.translator.update(TINY_TRANSLATOR)
+    c.translator.k_attn, c.translator.dense_bottom = 4, 1
+    # with 4 layers, 0.3 would leave a one-layer window at the top, whose translation cannot reach the replayed cache
+    c.translator.channels.ratio = c.translator.channels.min_ratio = c.translator.channels.max_ratio = 0.5
+    c.translator.channels.search_steps, c.translator.channels.search_eval_batches = 2, 1
+    c.steps, c.batch_size, c.grad_accum = 4, 2, 2
+    c.mesh.data, c.mesh.expert, c.mesh.fsdp = 1, 1, False  # one device: tiny batches do not split
+    c.optim.warmup_steps = 1
+    c.log_every, c.eval_every, c.checkpoint_every = 1, 2, 2
+    c.eval_batches, c.final_eval_batches = 1, 2
+    return c
+
+
+def parse_arg(arg: str | None, allowed=("tiny",)) -> str | None:
+    if arg not in (None, "", *allowed):
+        raise MotJaxError(f"Unknown config argument {arg!r}; use one of: {', '.join(allowed)} (or none).")
+    return arg or None

@@ -1,0 +1,342 @@
+"""Training chunks and batches (reference §1.2-1.3): packed target-token chunks, split into context, prompt and
+labels, with the source tokenizer's ids for the same context text and the alignment between the two.
+
+Documents are tokenized with the target tokenizer (no special tokens); empty documents and documents under 8 tokens
+are skipped; the kept documents' tokens, each followed by the target's EOS id, form one stream cut into chunks of
+`total_tokens` T. With P = `prefix_tokens`: context = x[0:P-1], prompt = x[P-1:T-1], labels = x[P:T]. The chunk
+table of a split is computed once and cached as .npy, keyed by everything it depends on.
+
+`Batches.batch(position)` is a pure function of one integer, so a checkpoint stores only the stream position.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import queue
+import sys
+import threading
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from mot_jax.errors import MotJaxError
+from mot_jax.translate.align import Alignment, adapter, align_batch
+
+MIN_DOCUMENT_TOKENS = 8
+DEFAULT_TOTAL_TOKENS, DEFAULT_PREFIX_TOKENS = 128, 64
+CHUNK_FORMAT = 1  # bump when the chunk layout changes: old cache files are then ignored
+_BATCH_TEXTS = 2048  # texts per encode_batch / decode_batch call
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """sha256 of the tokenizer's serialized form (vocabulary, merges, normalizer, added tokens)."""
+    return hashlib.sha256(adapter(tokenizer).backend.to_str().encode()).hexdigest()
+
+
+def _documents_fingerprint(documents) -> str:
+    """The corpus's own fingerprint (corpus.Documents), else a hash of the texts (e.g. a plain list)."""
+    fingerprint = getattr(documents, "fingerprint", None)
+    if fingerprint:
+        return fingerprint
+    digest = hashlib.sha256()
+    for text in documents:
+        digest.update(f"{len(text)}:".encode() + text.encode())
+    return digest.hexdigest()
+
+
+def _eos_id(tokenizer, eos_id) -> int:
+    eos_id = getattr(tokenizer, "eos_token_id", None) if eos_id is None else eos_id
+    if eos_id is None:
+        raise MotJaxError(f"{type(tokenizer).__name__} has no eos_token_id; pass the target's EOS id as eos_id.")
+    return int(eos_id)
+
+
+class TextChunks:
+    """The [N, T] int32 chunk table of one split of documents, for one target (and source) tokenizer.
+
+    Chunks whose context re-encodes to more than `source_length` source tokens (or to none) are dropped here, so
+    a batch never fails; without a source tokenizer (or with the target's own) nothing is dropped. The table and
+    its statistics (`stats`) are cached under `cache_dir` (default: the corpus's data dir / "chunks").
+    """
+
+    def __init__(
+        self,
+        documents,
+        target_tokenizer,
+        *,
+        eos_id: int | None = None,
+        total_tokens: int = DEFAULT_TOTAL_TOKENS,
+        prefix_tokens: int = DEFAULT_PREFIX_TOKENS,
+        source_tokenizer=None,
+        source_length: int | None = None,
+        cache_dir=None,
+    ):
+        if not 2 <= prefix_tokens < total_tokens:
+            raise MotJaxError(
+                f"prefix_tokens={prefix_tokens} does not fit total_tokens={total_tokens}; pass 2 <= prefix_tokens "
+                "< total_tokens."
+            )
+        if source_tokenizer is target_tokenizer:
+            source_tokenizer = None  # the identity: the source reads the target's own ids
+            if source_length is not None and source_length < prefix_tokens - 1:
+                raise MotJaxError(
+                    f"source_length={source_length} is shorter than the {prefix_tokens - 1}-token context of the "
+                    f"same tokenizer; pass source_length >= {prefix_tokens - 1}."
+                )
+        self.total_tokens, self.prefix_tokens, self.source_length = total_tokens, prefix_tokens, source_length
+        self.eos_id = _eos_id(target_tokenizer, eos_id)
+        filtered = source_tokenizer is not None and source_length is not None
+        key = dict(
+            format=CHUNK_FORMAT,
+            documents=_documents_fingerprint(documents),
+            target=tokenizer_fingerprint(target_tokenizer),
+            eos_id=self.eos_id,
+            total_tokens=total_tokens,
+            prefix_tokens=prefix_tokens,
+            min_document_tokens=MIN_DOCUMENT_TOKENS,
+            source=tokenizer_fingerprint(source_tokenizer) if filtered else None,
+            source_length=source_length if filtered else None,
+        )
+        name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+        if cache_dir is None:
+            from mot_jax.models.gguf import cache_root
+
+            cache_dir = Path(getattr(documents, "data_dir", cache_root())) / "chunks"
+        self.path = Path(cache_dir) / f"{name}.npy"
+        stats_path = self.path.with_suffix(".json")
+        if self.path.is_file() and stats_path.is_file():
+            self.chunks, self.stats = np.load(self.path), json.loads(stats_path.read_text())
+            return
+        source = source_tokenizer if filtered else None
+        chunks, self.stats = _build(
+            documents, target_tokenizer, self.eos_id, total_tokens, prefix_tokens, source, source_length
+        )
+        self.stats["key"] = key
+        message = f"Chunk table {self.path}: {len(chunks)} chunks of {total_tokens} tokens"
+        if filtered:
+            message += (
+                f"; dropped {self.stats['dropped']} whose {prefix_tokens - 1}-token context re-encodes to over "
+                f"{source_length} source tokens (longest {self.stats['source_length_max']})"
+            )
+        print(message, file=sys.stderr)
+        self.chunks = chunks
+        _write_atomically(self.path, lambda f: np.save(f, self.chunks))
+        _write_atomically(stats_path, lambda f: f.write(json.dumps(self.stats, indent=1).encode()))
+
+    def __len__(self) -> int:
+        return len(self.chunks)
+
+    def __array__(self, dtype=None, copy=None):
+        return self.chunks if dtype is None else self.chunks.astype(dtype)
+
+
+def _build(documents, tokenizer, eos_id, total_tokens, prefix_tokens, source_tokenizer, source_length):
+    """(chunks [N, T], stats): the packed stream cut into chunks, less those whose context is too long for the
+    source (when `source_tokenizer` is given)."""
+    stream, stats = _token_stream(documents, tokenizer, eos_id)
+    count = len(stream) // total_tokens
+    chunks = stream[: count * total_tokens].reshape(count, total_tokens)
+    stats["chunks"] = count
+    if source_tokenizer is not None:
+        lengths = _source_lengths(chunks[:, : prefix_tokens - 1], tokenizer, source_tokenizer)
+        keep = (lengths >= 1) & (lengths <= source_length)
+        chunks = chunks[keep]
+        stats.update(
+            dropped=int((~keep).sum()),
+            source_length_max=int(lengths.max(initial=0)),
+            source_length_p999=float(np.percentile(lengths, 99.9)) if lengths.size else 0.0,
+        )
+    return np.ascontiguousarray(chunks, np.int32), stats
+
+
+def _token_stream(documents, tokenizer, eos_id: int) -> tuple[np.ndarray, dict]:
+    """The target-token stream: each kept document's ids followed by EOS, and counts of what was kept."""
+    tok = adapter(tokenizer)
+    pieces, stats = [], dict(documents=len(documents), kept_documents=0, tokens=0)
+    for start in range(0, len(documents), _BATCH_TEXTS):
+        texts = [t for t in documents[start : start + _BATCH_TEXTS] if t.strip()]
+        for ids, _ in tok.encode_batch(texts):
+            if len(ids) >= MIN_DOCUMENT_TOKENS:
+                pieces.append(np.asarray(ids + [eos_id], np.int32))
+    stats.update(kept_documents=len(pieces), tokens=int(sum(map(len, pieces))))
+    return (np.concatenate(pieces) if pieces else np.zeros(0, np.int32)), stats
+
+
+def _source_lengths(contexts: np.ndarray, target_tokenizer, source_tokenizer) -> np.ndarray:
+    """How many source tokens each target context re-encodes to (decode with the target, encode with the source)."""
+    target, source = adapter(target_tokenizer), adapter(source_tokenizer)
+    lengths = []
+    for start in range(0, len(contexts), _BATCH_TEXTS):
+        texts = target.decode_batch(contexts[start : start + _BATCH_TEXTS].tolist())
+        lengths += [len(ids) for ids, _ in source.encode_batch(texts)]
+    return np.asarray(lengths, np.int64)
+
+
+def _write_atomically(path: Path, write):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    with open(partial, "wb") as f:
+        write(f)
+    os.replace(partial, path)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Batch:
+    """One batch, all numpy (a pytree, so jax.tree.map can stack micro-batches). Shapes are static per config:
+    Tc = P-1, Tp = T-P, S = source_length. The masks are all True for packed chunks; they exist for callers that
+    pad."""
+
+    context: np.ndarray  # [B, Tc] int32 target ids
+    context_mask: np.ndarray  # [B, Tc] bool
+    prompt: np.ndarray  # [B, Tp] int32
+    labels: np.ndarray  # [B, Tp] int32, the next token of each prompt position
+    label_mask: np.ndarray  # [B, Tp] bool
+    source_ids: np.ndarray  # [B, S] int32, right-padded with 0
+    source_mask: np.ndarray  # [B, S] bool
+    alignment: Alignment  # weights [B, Tc, S], target_to_source [B, Tc], source_to_target [B, S]
+
+
+def make_batch(rows, prefix_tokens: int, source_tokenizer, target_tokenizer, source_length: int) -> Batch:
+    """The Batch of chunk rows [B, T]: the split at P, and the source ids and alignment of the context."""
+    rows = np.asarray(rows, np.int32)
+    context, prompt, labels = rows[:, : prefix_tokens - 1], rows[:, prefix_tokens - 1 : -1], rows[:, prefix_tokens:]
+    context_mask = np.ones(context.shape, bool)
+    source_ids, source_mask, alignment = align_batch(
+        target_tokenizer, source_tokenizer, context, context_mask, source_length
+    )
+    return Batch(context, context_mask, prompt, labels, np.ones(labels.shape, bool), source_ids, source_mask, alignment)
+
+
+def _prefix_tokens(chunks, prefix_tokens: int | None) -> int:
+    return prefix_tokens or getattr(chunks, "prefix_tokens", None) or DEFAULT_PREFIX_TOKENS
+
+
+class Batches:
+    """The infinite training stream: epoch e walks `np.random.default_rng([seed, e]).permutation(N)` and batch p
+    takes stream items p*B .. p*B+B-1 (crossing epochs), so `batch(p)` depends on p alone.
+
+    `chunks` is a TextChunks (whose prefix_tokens is then the default) or an [N, T] array.
+    """
+
+    def __init__(
+        self,
+        chunks,
+        batch_size: int,
+        seed: int,
+        source_tokenizer,
+        target_tokenizer,
+        source_length: int,
+        *,
+        prefix_tokens: int | None = None,
+    ):
+        self.chunks = np.asarray(chunks)
+        if self.chunks.ndim != 2 or not len(self.chunks):
+            raise MotJaxError(f"No chunks to batch (shape {self.chunks.shape}); use a corpus with more text.")
+        built = getattr(chunks, "source_length", None)
+        if built is not None and source_length < built:
+            raise MotJaxError(
+                f"source_length={source_length} is below the {built} the chunks were filtered for; pass the same."
+            )
+        self.batch_size, self.seed = batch_size, seed
+        self.prefix_tokens = _prefix_tokens(chunks, prefix_tokens)
+        self.source_tokenizer, self.target_tokenizer = source_tokenizer, target_tokenizer
+        self.source_length = source_length
+        self._permutations: dict[int, np.ndarray] = {}
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.chunks)
+
+    def epoch_of(self, position: int) -> int:
+        """The epoch of the first item of batch `position`."""
+        return position * self.batch_size // self.num_chunks
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if epoch not in self._permutations:
+            if len(self._permutations) >= 4:
+                self._permutations.pop(next(iter(self._permutations)))
+            self._permutations[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.num_chunks)
+        return self._permutations[epoch]
+
+    def indices(self, position: int) -> np.ndarray:
+        """Chunk indices of batch `position`."""
+        if position < 0:
+            raise MotJaxError(f"Batch position {position} is negative; positions count from 0.")
+        items = np.arange(position * self.batch_size, (position + 1) * self.batch_size)
+        epochs, offsets = np.divmod(items, self.num_chunks)
+        return np.array([self._permutation(int(e))[o] for e, o in zip(epochs, offsets)])
+
+    def batch(self, position: int) -> Batch:
+        return make_batch(
+            self.chunks[self.indices(position)],
+            self.prefix_tokens,
+            self.source_tokenizer,
+            self.target_tokenizer,
+            self.source_length,
+        )
+
+
+def validation_batches(
+    chunks,
+    batch_size: int,
+    source_tokenizer,
+    target_tokenizer,
+    source_length: int,
+    *,
+    max_batches: int | None = None,
+    prefix_tokens: int | None = None,
+) -> list[Batch]:
+    """Fixed batches over the validation chunks in order (no shuffle); the last partial batch is dropped, so every
+    batch is full and has the training shapes."""
+    rows = np.asarray(chunks)
+    count = len(rows) // batch_size if max_batches is None else min(len(rows) // batch_size, max_batches)
+    if count == 0 and max_batches != 0:
+        raise MotJaxError(
+            f"The validation split has {len(rows)} chunks, fewer than batch_size={batch_size}; lower the batch size "
+            "or use a corpus with more text."
+        )
+    p = _prefix_tokens(chunks, prefix_tokens)
+    return [
+        make_batch(rows[i * batch_size : (i + 1) * batch_size], p, source_tokenizer, target_tokenizer, source_length)
+        for i in range(count)
+    ]
+
+
+def prefetch(batches: Batches, start: int, count: int, depth: int = 2):
+    """Yield batches.batch(p) for p in [start, start + count), computed up to `depth` ahead on a background thread
+    (tokenization and alignment then overlap the device step). Errors are re-raised here; closing the generator
+    stops the thread."""
+    ready: queue.Queue = queue.Queue(depth)
+    stop = threading.Event()
+
+    def work():
+        for position in range(start, start + count):
+            try:
+                item = (batches.batch(position), None)
+            except Exception as e:  # handed to the consumer
+                item = (None, e)
+            while not stop.is_set():
+                try:
+                    ready.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    pass
+            if stop.is_set() or item[1] is not None:
+                return
+
+    thread = threading.Thread(target=work, daemon=True)
+    thread.start()
+    try:
+        for _ in range(count):
+            batch, error = ready.get()
+            if error is not None:
+                raise error
+            yield batch
+    finally:
+        stop.set()
+        thread.join()

@@ -1,0 +1,75 @@
+"""The Context Correction objective (reference section 5.1) and the frozen forwards it needs.
+
+loss = CE(prompt labels | translated cache) + lambda * (MSE_K + MSE_V) + router auxiliary losses, where the MSEs
+compare the target's cache built from the translation (replay: its own recomputed K/V; direct: the translated K/V)
+with its clean prefill of the same context, over the layers from the first window layer to the top (direct: all),
+context tokens only, mean over every element. Only the translator receives gradients.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from mot_jax.translate.translator import translate
+
+
+@dataclasses.dataclass(frozen=True)
+class LossWeights:
+    correction: float = 1.0
+    load_balance: float = 0.01
+    z_loss: float = 0.001
+
+
+def frozen_forwards(source, target, batch, topk: int):
+    """The source's cache (and attention top-k for sparse replay) and the target's native cache of the context."""
+    _, source_cache, source_topk = source.run_layers(batch.source_ids, batch.source_mask, topk=topk)
+    _, native, _ = target.run_layers(batch.context, batch.context_mask, fresh=True)
+    return source_cache, source_topk, native
+
+
+def masked_mse(a, b, mask):
+    """Mean of (a - b)^2 over [L, B, K, T, d] elements whose token (mask [B, T]) is valid."""
+    weight = mask[None, :, None, :, None].astype(jnp.float32)
+    diff = jnp.square(a.astype(jnp.float32) - b.astype(jnp.float32)) * weight
+    return diff.sum() / jnp.maximum(weight.sum() * a.shape[0] * a.shape[2] * a.shape[4], 1.0)
+
+
+def token_cross_entropy(logits, labels, mask):
+    """Mean next-token cross-entropy over valid label positions, in fp32."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    nll = -jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
+    return jnp.sum(nll * mask) / jnp.maximum(jnp.sum(mask), 1)
+
+
+def prompt_cross_entropy(target, cache, batch):
+    """CE of the labels when the target reads the prompt after `cache` (None: with no context at all)."""
+    logits, _ = target(batch.prompt, cache=cache)
+    return token_cross_entropy(logits, batch.labels, batch.label_mask)
+
+
+def context_correction(translator, source, target, batch, frozen, weights: LossWeights):
+    """(loss, metrics) of one micro-batch; `frozen` = `frozen_forwards(...)` (no gradient flows into it)."""
+    source_cache, source_topk, native = jax.lax.stop_gradient(frozen)
+    spec = translator.spec
+    context_length, prompt_length = batch.context.shape[1], batch.prompt.shape[1]
+    cache, aux = translate(
+        translator, source, target, source_cache, batch.alignment, batch.context, batch.context_mask,
+        source_topk, capacity=context_length + prompt_length,
+    )  # fmt: skip
+    ce = prompt_cross_entropy(target, cache, batch)
+    first = 0 if spec.mode == "direct" else min(spec.target_layers)
+    context = lambda kv: kv[first:, :, :, :context_length]  # noqa: E731
+    mse_k = masked_mse(context(cache.k), native.k[first:], batch.context_mask)
+    mse_v = masked_mse(context(cache.v), native.v[first:], batch.context_mask)
+    routed = [a for a in aux.values() if a]  # the K and V mixtures' aux outputs (empty with one expert)
+    load_balance = sum((a["load_balance_loss"] for a in routed), jnp.zeros(()))
+    z_loss = sum((a["z_loss"] for a in routed), jnp.zeros(()))
+    loss = ce + weights.correction * (mse_k + mse_v) + weights.load_balance * load_balance + weights.z_loss * z_loss
+    metrics = dict(loss=loss, ce=ce, mse_k=mse_k, mse_v=mse_v, load_balance=load_balance, z_loss=z_loss)
+    if routed:
+        metrics["dropped_tokens"] = sum(a["stats"]["dropped"] for a in routed).astype(jnp.float32)
+        metrics["load_cv2"] = sum(a["stats"]["load_cv2"] for a in routed) / len(routed)
+    return loss, metrics

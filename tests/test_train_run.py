@@ -1,0 +1,126 @@
+"""`python -m mot_jax.train` as users run it: configs, resume after SIGKILL, checkpoints and errors."""
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from mot_jax.errors import MotJaxError
+from mot_jax.training import loop
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = sorted(p.name for p in (ROOT / "configs").glob("*.py"))
+TINY = ["--config=configs/quickstart.py:tiny"]
+
+
+def load_config(name="quickstart.py", arg="tiny", **overrides):
+    spec = importlib.util.spec_from_file_location(name[:-3], ROOT / "configs" / name)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config(arg)
+    for key, value in overrides.items():
+        node = config
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+    return config
+
+
+def run_cli(workdir, *flags, kill_at_step=None):
+    """The training command in a fresh process; with `kill_at_step`, it SIGKILLs itself as that step starts."""
+    script = "from absl import app; from mot_jax import train; app.run(train.main)"
+    if kill_at_step:
+        script = (
+            "import os, signal; from mot_jax.training import loop; step = loop.Trainer.train_step\n"
+            "def killing(self, batches, calls=[0]):\n"
+            "    calls[0] += 1\n"
+            f"    if calls[0] == {kill_at_step}: os.kill(os.getpid(), signal.SIGKILL)\n"
+            "    return step(self, batches)\n"
+            "loop.Trainer.train_step = killing\n" + script
+        )
+    command = [sys.executable, "-c", script, *TINY, f"--workdir={workdir}", *flags]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+def final_params(workdir, step):
+    state = ocp.StandardCheckpointer().restore(Path(workdir) / "checkpoints" / str(step) / "state")
+    return jax.tree.leaves(state["params"])
+
+
+@pytest.mark.slow
+def test_sigkill_mid_training_then_restart_equals_uninterrupted_run(tmp_path):
+    flags = ["--config.steps=6", "--config.checkpoint_every=2", "--config.eval_every=2"]
+    whole = run_cli(tmp_path / "whole", *flags)
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    killed = run_cli(tmp_path / "resumed", *flags, kill_at_step=5)
+    assert killed.returncode == -signal.SIGKILL
+    assert not (tmp_path / "resumed" / "checkpoints" / "6").exists()
+    resumed = run_cli(tmp_path / "resumed", *flags)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "Resumed from step" in resumed.stderr
+    for a, b in zip(final_params(tmp_path / "whole", 6), final_params(tmp_path / "resumed", 6), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
+    summary = json.loads((tmp_path / "resumed" / "summary.json").read_text())
+    assert summary["steps"] == 6 and (tmp_path / "resumed" / "tensorboard").is_dir()
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=() if n == "quickstart.py" else pytest.mark.slow) for n in CONFIGS]
+)
+def test_every_config_runs_two_tiny_steps(name, tmp_path):
+    config = load_config(name, steps=2, eval_every=2, checkpoint_every=2)
+    summary = loop.train_and_evaluate(config, tmp_path)
+    assert summary["steps"] == 2 and np.isfinite(summary["final_validation"]["loss"])
+    assert (tmp_path / "checkpoints" / "2").is_dir() and (tmp_path / "best" / "2").is_dir()
+    if config.translator.channels.mode == "depth_ratio" and config.translator.mode == "replay":
+        search = json.loads((tmp_path / "channel_search.json").read_text())
+        assert search["scores"] and search["chosen"]["target"]
+
+
+def test_bad_config_key_or_file_fails_in_one_line(tmp_path):
+    result = run_cli(tmp_path, "--config.no_such_key=1")
+    assert result.returncode == 2 and "error: the config has no key no_such_key" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_unknown_config_argument_and_model_name(tmp_path):
+    with pytest.raises(MotJaxError, match="Unknown config argument"):
+        load_config(arg="huge")
+    with pytest.raises(MotJaxError, match="Unknown tiny model"):
+        loop.train_and_evaluate(load_config(source="random:nope"), tmp_path)
+    with pytest.raises(MotJaxError, match="neither a local directory nor downloadable"):
+        loop.train_and_evaluate(load_config(target="no-such-org/no-such-model"), tmp_path)
+
+
+def test_workdir_of_another_experiment_is_refused(tmp_path):
+    loop.train_and_evaluate(load_config(steps=2), tmp_path)
+    with pytest.raises(MotJaxError, match=r"another experiment \(it differs in: translator\)"):
+        loop.train_and_evaluate(load_config(steps=4, **{"translator.dim": 48}), tmp_path)
+
+
+def test_corrupt_checkpoint_is_refused(tmp_path):
+    loop.train_and_evaluate(load_config(steps=2), tmp_path)
+    for f in (tmp_path / "checkpoints" / "2" / "state").rglob("*"):
+        if f.is_file():
+            f.write_bytes(b"garbage")
+    with pytest.raises(MotJaxError, match="cannot be read"):
+        loop.train_and_evaluate(load_config(steps=4), tmp_path)
+
+
+def test_non_finite_loss_stops_naming_the_step_and_keeps_the_last_good_checkpoint(tmp_path):
+    config = load_config(steps=4, checkpoint_every=1, **{"optim.learning_rate": 1e30, "optim.clip_norm": 1e30})
+    with pytest.raises(MotJaxError, match=r"The loss became \S+ at step (\d).*last good checkpoint is step") as e:
+        loop.train_and_evaluate(config, tmp_path)
+    bad = int(str(e.value).split(" at step ")[1].split(" ")[0])
+    saved = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
+    assert saved and saved[-1] == bad - 1, (saved, str(e.value))
+    assert os.path.isdir(tmp_path / "checkpoints" / str(bad - 1))
