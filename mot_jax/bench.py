@@ -5,6 +5,7 @@
   python -m mot_jax.bench mixture                      # sparse against dense mixture, N = 2, 4, 8 and k = 1, 2
   python -m mot_jax.bench align                        # alignment of 2,048-token texts against the reference
   python -m mot_jax.bench ttft --lengths=128,512,2048  # native prefill / replay / direct on the offline pair
+  python -m mot_jax.bench train                        # quickstart training step, sparse against dense mixture
 
 Both sides do the same work in one process, interleaved: same weights, dtype, batch and tokens; prefill fills the
 cache and computes logits for the last position only (transformers: `logits_to_keep=1`); torch uses as many
@@ -310,7 +311,67 @@ def bench_ttft():
         print("| " + " | ".join(map(str, cells)) + " |", flush=True)
 
 
-BENCHMARKS = {"models": bench_models, "mixture": bench_mixture, "align": bench_align, "ttft": bench_ttft}
+def bench_train():
+    """Training step of the quickstart config (smollm2-135m -> gemma3-270m, 4 x 128 tokens), sparse against dense
+    mixture, interleaved; memory is XLA's plan for the compiled step (arguments + temporaries + outputs - aliased)."""
+    import importlib.util
+    import resource
+    from pathlib import Path
+
+    import jax
+
+    from mot_jax.training import loop
+
+    path = Path(__file__).resolve().parents[1] / "configs" / "quickstart.py"
+    spec = importlib.util.spec_from_file_location("quickstart", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config()
+    pair = loop.load_pair(config)
+    datasets = loop.make_datasets(config, pair)
+    channel_map = loop.resolve_channels(config, pair, datasets, loop.make_mesh(config), None)
+    batches = [loop.stack([datasets.train.batch(p)]) for p in range(FLAGS.runs + 1)]
+    trainers, planned, compile_s = {}, {}, {}
+    for dispatch in ("sparse", "dense"):
+        config.translator.dispatch = dispatch
+        spec_, tcfg = loop.translation(config, channel_map, pair)
+        trainer = loop.Trainer(config, pair, spec_, tcfg, loop.make_mesh(config), config.steps)
+        placed = trainer.place(batches[0], micro=True)
+        start = time.perf_counter()
+        compiled = trainer._train.lower(trainer.state, trainer.llm_states, placed).compile()
+        compile_s[dispatch] = time.perf_counter() - start
+        m = compiled.memory_analysis()
+        planned[dispatch] = m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes
+        planned[dispatch] -= m.alias_size_in_bytes
+        jax.block_until_ready(trainer.train_step(batches[0]))  # warm-up
+        trainers[dispatch] = trainer
+    times = {d: [] for d in trainers}
+    for batch in batches[1:]:  # interleaved
+        for dispatch, trainer in trainers.items():
+            start = time.perf_counter()
+            jax.block_until_ready(trainer.train_step(batch))
+            times[dispatch].append(time.perf_counter() - start)
+    tokens = config.batch_size * config.grad_accum * config.data.total_tokens
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
+    print(f"\nquickstart step: batch {config.batch_size} x accum {config.grad_accum} x {config.data.total_tokens} "
+          f"target tokens, {config.dtype}; process peak RSS {rss:.1f} GiB\n")  # fmt: skip
+    print("| mixture | step (s) | target tokens/s | step memory (GiB) | jit compile (s) | speed-up vs dense |")
+    print("|---|---:|---:|---:|---:|---:|")
+    dense = statistics.median(times["dense"])
+    for dispatch in trainers:
+        step = statistics.median(times[dispatch])
+        cells = (dispatch, f"{step:.2f}", f"{tokens / step:.0f}", f"{planned[dispatch] / 2**30:.2f}",
+                 f"{compile_s[dispatch]:.0f}", f"{dense / step:.2f}x")  # fmt: skip
+        print("| " + " | ".join(map(str, cells)) + " |", flush=True)
+
+
+BENCHMARKS = {
+    "models": bench_models,
+    "mixture": bench_mixture,
+    "align": bench_align,
+    "ttft": bench_ttft,
+    "train": bench_train,
+}
 
 
 def main(argv):
