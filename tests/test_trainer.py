@@ -1,8 +1,10 @@
 """The jitted training step: learning on tiny models, and the sharded step against the single-device step."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from training_helpers import tiny_batch
 
 from mot_jax.errors import MotJaxError
@@ -77,3 +79,17 @@ def test_batch_not_divisible_by_data_axis_is_refused():
     c.batch_size, c.mesh.data = 3, 2
     with pytest.raises(MotJaxError, match="not divisible by the mesh's data axis"):
         loop.make_mesh(c)
+
+
+def test_bfloat16_compute_keeps_fp32_params_and_optimizer_state():
+    c = tiny_config()
+    c.dtype = "bfloat16"
+    trainer, pair = trainer_for(c, loop.make_mesh(c), steps=2)
+    assert jax.tree.leaves(nnx.state(pair.target))[0].dtype == jnp.bfloat16
+    batches = [tiny_batch(pair.source_tokenizer, pair.target_tokenizer)]
+    before = jax.device_get(trainer.state["params"])
+    loop.fit(trainer, Fixed(batches), 0, 2)
+    after = trainer.state["params"]
+    assert {x.dtype for x in jax.tree.leaves(after)} == {jnp.dtype("float32")}
+    assert {x.dtype for x in jax.tree.leaves(trainer.state["opt_state"]) if x.ndim} == {jnp.dtype("float32")}
+    assert any(np.abs(a - b).max() > 0 for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)))

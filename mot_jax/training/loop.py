@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -44,15 +45,12 @@ class Pair:
     target: object
     source_tokenizer: object
     target_tokenizer: object
-    source_hf: dict
-    target_hf: dict
 
 
 def load_pair(config) -> Pair:
     logging.info("Loading source %s and target %s (%s)", config.source, config.target, config.dtype)
-    source, source_hf = load_model(config.source, config.dtype)
-    target, target_hf = load_model(config.target, config.dtype)
-    return Pair(source, target, load_tokenizer(config.source), load_tokenizer(config.target), source_hf, target_hf)
+    source, target = (load_model(name, config.dtype)[0] for name in (config.source, config.target))
+    return Pair(source, target, load_tokenizer(config.source), load_tokenizer(config.target))
 
 
 @dataclasses.dataclass
@@ -84,9 +82,9 @@ def make_datasets(config, pair: Pair) -> Datasets:
 
 
 def make_mesh(config) -> jax.sharding.Mesh:
-    expert, data = config.mesh.expert, config.mesh.data
-    devices = jax.devices() if data == -1 else jax.devices()[: data * expert]
-    mesh = sharding.make_mesh(data, expert, devices)
+    data_axis, expert_axis = config.mesh.data, config.mesh.expert
+    devices = jax.devices() if data_axis == -1 else jax.devices()[: data_axis * expert_axis]
+    mesh = sharding.make_mesh(data_axis, expert_axis, devices)
     if config.batch_size % mesh.shape["data"]:
         raise MotJaxError(
             f"batch_size={config.batch_size} is not divisible by the mesh's data axis ({mesh.shape['data']} devices); "
@@ -297,18 +295,22 @@ def check_identity(saved: dict, current: dict, workdir: epath.Path):
 
 
 class Logger:
-    """absl logs, TensorBoard event files (tensorboardX, no TensorFlow) and a progress bar; process 0 only."""
+    """absl logs (with tokens/s and ETA), TensorBoard event files (tensorboardX, no TensorFlow) and, on a terminal,
+    a progress bar; process 0 only."""
 
     def __init__(self, workdir: epath.Path, total: int, start: int, tokens_per_step: int, log_every: int):
         self.main = jax.process_index() == 0
-        self.tokens_per_step, self.log_every = tokens_per_step, log_every
+        self.tokens_per_step, self.log_every, self.total, self.start = tokens_per_step, log_every, total, start
+        self.began = time.perf_counter()
         self.writer = self.bar = None
         if self.main:
             from tensorboardX import SummaryWriter
             from tqdm import tqdm
 
             self.writer = SummaryWriter(str(workdir / "tensorboard"))
-            self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True, mininterval=2.0)
+            self.bar = tqdm(
+                total=total, initial=start, unit="step", dynamic_ncols=True, disable=not sys.stderr.isatty()
+            )
 
     def scalars(self, step: int, values: dict, prefix: str):
         if self.main:
@@ -325,7 +327,8 @@ class Logger:
         self.bar.update(1)
         if step % self.log_every == 0:
             shown = " ".join(f"{k}={v:.4g}" for k, v in values.items())
-            logging.info("step %d: %s tokens/s=%.0f", step, shown, tokens_per_second)
+            eta = (time.perf_counter() - self.began) / (step - self.start) * (self.total - step)
+            logging.info("step %d/%d: %s tokens/s=%.0f eta=%.0fs", step, self.total, shown, tokens_per_second, eta)
 
     def close(self):
         if self.main:
@@ -412,8 +415,7 @@ def train_and_evaluate(config, workdir) -> dict:
         ) from None
     logger.close()
     checkpoints.close()
-    held_out = datasets.validation[config.eval_batches :][: config.final_eval_batches] or validation
-    results = trainer.baselines(held_out) | dict(untrained=initial.get("ce") if initial else None)
+    results = trainer.baselines(held_out) | dict(untrained=initial["held_out_ce"])
     summary = dict(
         steps=config.steps,
         seconds=round(time.perf_counter() - began, 1),
