@@ -51,5 +51,9 @@ def main(argv):
         sys.exit(2)
 
 
-if __name__ == "__main__":
+def run():
     app.run(main, flags_parser=parse_flags)
+
+
+if __name__ == "__main__":
+    run()

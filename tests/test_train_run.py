@@ -37,7 +37,7 @@ def load_config(name="quickstart.py", arg="tiny", **overrides):
 
 def run_cli(workdir, *flags, kill_at_step=None):
     """The training command in a fresh process; with `kill_at_step`, it SIGKILLs itself as that step starts."""
-    script = "from absl import app; from mot_jax import train; app.run(train.main)"
+    script = "from mot_jax import train; train.run()"
     if kill_at_step:
         script = (
             "import os, signal; from mot_jax.training import loop; step = loop.Trainer.train_step\n"

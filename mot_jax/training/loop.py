@@ -223,17 +223,20 @@ def stack(batches: list) -> dict:
 
 
 def fit(trainer: Trainer, stream, start: int, steps: int, on_step=None):
-    """Run steps [start, steps) with micro-batches from `stream.batch(position)`; `on_step(step, metrics, seconds)`
-    after each. Raises on a non-finite loss, naming the step."""
+    """Run steps [start, steps) with micro-batches `stream.batch(position)` (prepared on a background thread while
+    the device computes); `on_step(step, metrics, seconds)` after each. Raises on a non-finite loss, naming the step."""
     accum = trainer.config.grad_accum
-    for step in range(start, steps):
-        began = time.perf_counter()
-        micro = stack([stream.batch(step * accum + i) for i in range(accum)])
-        metrics = jax.device_get(trainer.train_step(micro))
-        if not math.isfinite(float(metrics["loss"])):
-            raise NonFiniteLoss(step + 1, float(metrics["loss"]))
-        if on_step:
-            on_step(step + 1, metrics, time.perf_counter() - began)
+    micro_batches = data.prefetch(stream, start * accum, (steps - start) * accum)
+    try:
+        for step in range(start, steps):
+            began = time.perf_counter()
+            metrics = jax.device_get(trainer.train_step(stack([next(micro_batches) for _ in range(accum)])))
+            if not math.isfinite(float(metrics["loss"])):
+                raise NonFiniteLoss(step + 1, float(metrics["loss"]))
+            if on_step:
+                on_step(step + 1, metrics, time.perf_counter() - began)
+    finally:
+        micro_batches.close()
 
 
 class NonFiniteLoss(MotJaxError):
