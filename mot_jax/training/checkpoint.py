@@ -14,16 +14,17 @@ import orbax.checkpoint as ocp
 from mot_jax.errors import MotJaxError
 
 
-def _manager(path, keep: int) -> ocp.CheckpointManager:
-    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_async_checkpointing=True)
+def _manager(path, keep: int, create: bool) -> ocp.CheckpointManager:
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=create, enable_async_checkpointing=True)
     return ocp.CheckpointManager(path, options=options)
 
 
 class Checkpoints:
-    def __init__(self, workdir, keep: int):
+    def __init__(self, workdir, keep: int, create: bool = True):
+        """`create=False` opens an existing run read-only (no folders are made)."""
         self.workdir = workdir  # an absolute etils.epath.Path (local or gs://)
-        self.last = _manager(self.workdir / "checkpoints", keep)
-        self.best = _manager(self.workdir / "best", 1)
+        self.last = _manager(self.workdir / "checkpoints", keep, create)
+        self.best = _manager(self.workdir / "best", 1, create)
 
     def latest_step(self) -> int | None:
         return self.last.latest_step()

@@ -24,7 +24,9 @@ import jax
 import numpy as np
 
 from mot_jax.errors import MotJaxError
-from mot_jax.translate.align import Alignment, adapter, align_batch
+from mot_jax.translate.align import Alignment, adapter, align_batch, register_pytree
+
+register_pytree()  # batches (with their alignment) are stacked and placed as pytrees
 
 MIN_DOCUMENT_TOKENS = 8
 DEFAULT_TOTAL_TOKENS, DEFAULT_PREFIX_TOKENS = 128, 64

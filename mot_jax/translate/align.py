@@ -9,11 +9,10 @@ the valid source token whose span centre is nearest. Source K/V are resampled on
 
 from __future__ import annotations
 
+import dataclasses
 from functools import cached_property
 
-import jax.numpy as jnp
 import numpy as np
-from flax import struct
 
 from mot_jax.errors import MotJaxError
 
@@ -118,9 +117,10 @@ def token_spans(tokenizer, text: str, ids) -> np.ndarray:
     return _spans(tok, text, ids, *tok.encode(text))
 
 
-@struct.dataclass
+@dataclasses.dataclass(frozen=True)
 class Alignment:
-    """Target-grid alignment of one padded batch (a JAX pytree, so it can enter jitted code).
+    """Target-grid alignment of one padded batch (a JAX pytree once `register_pytree()` ran, so it can enter jitted
+    code; this module itself needs only numpy, so the PyTorch export can align without JAX).
 
     weights [B, T, S] float32, row-stochastic on valid target rows, zero on padded rows and columns;
     target_to_source [B, T] and source_to_target [B, S] int32 hard maps (0 at padded positions).
@@ -129,6 +129,16 @@ class Alignment:
     weights: np.ndarray
     target_to_source: np.ndarray
     source_to_target: np.ndarray
+
+
+def register_pytree():
+    """Make `Alignment` a JAX pytree (called by the JAX modules that pass alignments into jitted code)."""
+    import jax
+
+    if not getattr(Alignment, "_pytree", False):
+        fields = [f.name for f in dataclasses.fields(Alignment)]
+        jax.tree_util.register_dataclass(Alignment, data_fields=fields, meta_fields=[])
+        Alignment._pytree = True
 
 
 def _nearest(centres_from: np.ndarray, centres_to: np.ndarray, valid_to: np.ndarray) -> np.ndarray:
@@ -296,6 +306,8 @@ def align_batch(target_tokenizer, source_tokenizer, target_ids, target_mask, sou
 def resample(block, weights):
     """Source K/V [B, S, ...] onto the target grid [B, T, ...]: einsum('bts,bs...->bt...'), computed in fp32 or
     wider and returned in the block's dtype."""
+    import jax.numpy as jnp
+
     block = jnp.asarray(block)
     dtype = jnp.promote_types(block.dtype, jnp.float32)
     return jnp.einsum("bts,bs...->bt...", jnp.asarray(weights, dtype), block.astype(dtype)).astype(block.dtype)

@@ -30,6 +30,7 @@ from mot_jax.translate.expert import TranslatorConfig
 from mot_jax.translate.mixture import MixtureOfTranslators
 
 MODES = ("replay", "direct")
+alignment_lib.register_pytree()  # alignments enter jitted code here
 
 
 @dataclasses.dataclass(frozen=True)

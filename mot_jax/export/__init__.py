@@ -1,0 +1,1 @@
+"""Export of trained translators for use outside JAX (a torch-only implementation and its weight files)."""

@@ -1,0 +1,50 @@
+"""Export a trained translator for PyTorch: `python -m mot_jax.export --workdir=DIR --out=OUT [--which=last|best]`.
+
+OUT gets `model.safetensors` (the experts, routers and RoPE tables; no pickle) and `config.json` (the translator's
+shape, channel map and mode, and the training run's model names and alignment settings). Load it with
+`mot_jax.export.torch_translator.KVTranslator.from_pretrained(OUT)` (torch only); `mot_jax.export.torch_pipeline`
+drives transformers models with it.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from absl import app, flags, logging
+
+from mot_jax.errors import MotJaxError
+
+_WORKDIR = flags.DEFINE_string("workdir", None, "Training workdir holding a finished checkpoint.")
+_OUT = flags.DEFINE_string("out", None, "Output folder (replaced if it exists).")
+_WHICH = flags.DEFINE_enum("which", "last", ["last", "best"], "The latest checkpoint or the best-validation one.")
+flags.mark_flags_as_required(["workdir", "out"])
+
+
+def export_workdir(workdir, out, which="last"):
+    from mot_jax.export import weights
+    from mot_jax.training.trained import load_trained
+
+    trained = load_trained(workdir, which)
+    c = trained.config
+    extra = dict(
+        source=c.source, target=c.target, source_length=c.data.source_length, dtype=c.dtype, step=trained.step,
+        channel_map=trained.meta["channel_map"], trained_steps=c.steps,
+    )  # fmt: skip
+    return weights.export(trained.translator, trained.source_config, trained.target_config, out, extra), trained
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
+    logging.set_verbosity(logging.WARNING)  # Orbax reports every read at INFO
+    try:
+        out, trained = export_workdir(_WORKDIR.value, _OUT.value, _WHICH.value)
+    except MotJaxError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    print(f"exported the translator of step {trained.step} ({trained.config.source} -> {trained.config.target}, "
+          f"{trained.translator.spec.mode}) to {out}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,174 @@
+"""Translated caches for Hugging Face transformers models: torch, transformers and numpy only (no JAX).
+
+    translator = KVTranslator.from_pretrained("exported/")              # written by python -m mot_jax.export
+    pipe = CachePipeline(source, target, source_tokenizer, target_tokenizer, translator)
+    cache, ids, mask = pipe.from_text(["The passage ..."])               # a transformers DynamicCache
+    out = target.generate(torch.cat([ids, question_ids], 1), past_key_values=cache, max_new_tokens=20)
+
+`direct`: the translated K/V of every target layer are the cache. `replay`: the transformers target runs over its
+context with the translated K/V read by the window layers' attention (a registered attention function) and sparse
+top-k attention from the source's attention where the translator was trained with it; the cache it builds (its own
+recomputed K/V) is handed on, as in `mot_jax.translate.translator`. The models must use eager attention
+(`attn_implementation="eager"`): the source's attention weights pick the sparse keys.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import numpy as np
+import torch
+from transformers import AttentionInterface, DynamicCache
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
+
+from mot_jax.export.torch_translator import KVTranslator
+from mot_jax.translate.align import align_batch
+
+ATTENTION = "mot_replay"
+_replay = None  # the injection of the replay that is running (layer -> translated K/V, sparse masks)
+
+
+def _eager(module):
+    """The eager attention function of the module's own family (softcap, scaling and GQA handled as it does)."""
+    return sys.modules[type(module).__module__].eager_attention_forward
+
+
+def _replay_attention(module, query, key, value, attention_mask, **kwargs):
+    state, layer = _replay, module.layer_idx
+    if state is not None and query.shape[2] == key.shape[2]:  # the context pass (the cache was empty)
+        if layer in state["slot"]:
+            slot = state["slot"][layer]
+            key, value = state["k"][slot].to(key.dtype), state["v"][slot].to(value.dtype)
+        if state["allowed"] is not None and layer >= state["dense_bottom"]:
+            attention_mask = _sparse_mask(attention_mask, state["allowed"][layer], query.dtype)
+    return _eager(module)(module, query, key, value, attention_mask, **kwargs)
+
+
+def _sparse_mask(mask, allowed, dtype):
+    """The additive mask restricted to the chosen keys; a query left with none attends to itself (as mot_jax)."""
+    visible = mask[:, 0] > torch.finfo(mask.dtype).min / 2  # [B, T, T]
+    stranded = ~(visible & allowed).any(-1, keepdim=True)
+    diagonal = torch.eye(visible.shape[-1], dtype=torch.bool, device=visible.device)
+    keep = visible & (allowed | (stranded & diagonal))
+    return torch.where(keep, 0.0, torch.finfo(dtype).min).to(dtype)[:, None]
+
+
+AttentionInterface.register(ATTENTION, _replay_attention)
+ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION, eager_mask)
+
+
+@contextlib.contextmanager
+def _attention(model, name):
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(name)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(previous)
+
+
+def _cache_layers(cache):
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def head_averaged_topk(attentions, k):
+    """Per layer, the k keys each query attends to most, averaged over heads: [L, B, S, k] (ties: lower index)."""
+    probs = torch.stack([a.float().mean(1) for a in attentions])  # [L, B, S, S]
+    order = torch.sort(probs, dim=-1, descending=True, stable=True).indices
+    return order[..., : min(k, probs.shape[-1])]
+
+
+def sparse_indices(config, source_topk, alignment):
+    """Target layer j reads source layer layer_map[j]; target query t reads source query target_to_source[t]; a source
+    key s becomes target token source_to_target[s]: [Lt, B, T, k] (as mot_jax.translate.translator)."""
+    picked = source_topk[torch.as_tensor(config.layer_map)]  # [Lt, B, S, k]
+    rows = torch.arange(picked.shape[1])[:, None]
+    by_query = picked[:, rows, torch.as_tensor(alignment.target_to_source, dtype=torch.long)]  # [Lt, B, T, k]
+    return torch.as_tensor(alignment.source_to_target, dtype=torch.long)[rows[..., None], by_query]
+
+
+def allowed_keys(indices, length):
+    """[Lt, B, T, k] chosen token indices -> [Lt, B, T, T] boolean masks."""
+    allowed = torch.zeros(*indices.shape[:3], length + 1, dtype=torch.bool)
+    clipped = torch.where((indices >= 0) & (indices < length), indices, length)
+    return allowed.scatter_(-1, clipped, True)[..., :length]
+
+
+class CachePipeline:
+    """A source and a target transformers model (eager attention), their tokenizers, and an exported translator."""
+
+    def __init__(self, source, target, source_tokenizer, target_tokenizer, translator: KVTranslator):
+        self.source, self.target, self.translator = source, target, translator
+        self.source_tokenizer, self.target_tokenizer = source_tokenizer, target_tokenizer
+        for name, model in (("source", source), ("target", target)):
+            if model.config._attn_implementation != "eager":
+                raise ValueError(f"The {name} model must be loaded with attn_implementation='eager'.")
+
+    def from_text(self, texts):
+        """(DynamicCache, target ids [B, T], mask [B, T]) of right-padded contexts (the target tokenizer's own
+        special tokens, e.g. a BOS, as mot_jax's CacheTranslator)."""
+        encoded = [self.target_tokenizer.encode(t) for t in texts]
+        encoded = [e.ids if hasattr(e, "ids") else e for e in encoded]
+        ids = np.zeros((len(encoded), max(map(len, encoded))), np.int64)
+        mask = np.zeros(ids.shape, bool)
+        for row, e in enumerate(encoded):
+            ids[row, : len(e)], mask[row, : len(e)] = e, True
+        return self.from_target_ids(ids, mask), torch.as_tensor(ids), torch.as_tensor(mask)
+
+    @torch.no_grad()
+    def from_target_ids(self, target_ids, target_mask):
+        """The target cache of target-tokenized contexts; the source reads the same text (decoded, re-encoded)."""
+        target_ids, target_mask = np.asarray(target_ids), np.asarray(target_mask, bool)
+        if not target_mask[:, 0].all():
+            raise ValueError("Target contexts must be right-padded (transformers counts positions from slot 0).")
+        source_ids, source_mask, alignment = align_batch(
+            self.target_tokenizer, self.source_tokenizer, target_ids, target_mask
+        )
+        sparse = self.translator.config.mode == "replay" and self.translator.config.sparse_attention
+        out = self.source(
+            input_ids=torch.as_tensor(source_ids, dtype=torch.long),
+            attention_mask=torch.as_tensor(source_mask, dtype=torch.long),
+            past_key_values=DynamicCache(),  # full-length layers, also for sliding-window sources
+            use_cache=True,
+            output_attentions=sparse,
+        )
+        return self.from_source_cache(out.past_key_values, alignment, target_ids, target_mask, out.attentions)
+
+    @torch.no_grad()
+    def from_source_cache(self, source_cache, alignment, target_ids, target_mask, source_attentions=None):
+        """The target cache from a source DynamicCache over the context (full-length layers), the alignment of its
+        tokens onto the target's (`mot_jax.translate.align.align_batch`) and, for sparse replay, the source's
+        attention weights over the context (`output_attentions=True`)."""
+        cfg = self.translator.config
+        layers = _cache_layers(source_cache)
+        k, v = self.translator.translate_window(
+            [kv[0] for kv in layers], [kv[1] for kv in layers], alignment.weights, np.asarray(target_mask, bool)
+        )
+        ids = torch.as_tensor(np.asarray(target_ids), dtype=torch.long)
+        mask = torch.as_tensor(np.asarray(target_mask), dtype=torch.long)
+        if cfg.mode == "direct":
+            cache = DynamicCache(config=self.target.config)
+            for layer in range(cfg.target_num_layers):
+                cache.update(k[layer], v[layer], layer)
+            return cache
+        allowed = None
+        if cfg.sparse_attention:
+            if source_attentions is None:
+                raise ValueError("Sparse replay needs the source's attention weights; pass source_attentions.")
+            topk = head_averaged_topk(source_attentions, cfg.k_attn)
+            allowed = allowed_keys(sparse_indices(cfg, topk, alignment), ids.shape[1])
+        return self._replay(ids, mask, k, v, allowed)
+
+    def _replay(self, ids, mask, k, v, allowed):
+        global _replay
+        cfg = self.translator.config
+        slot = {layer: i for i, layer in enumerate(cfg.target_layers)}
+        _replay = dict(slot=slot, k=k, v=v, allowed=allowed, dense_bottom=cfg.dense_bottom)
+        try:
+            with _attention(self.target, ATTENTION):
+                cache = DynamicCache(config=self.target.config)
+                self.target(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        finally:
+            _replay = None
+        return cache

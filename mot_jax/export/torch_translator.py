@@ -1,0 +1,460 @@
+"""The trained Mixture-of-Translators in PyTorch, to serve beside Hugging Face transformers models.
+
+Imports only torch, safetensors and the standard library (no JAX): this file may be copied on its own. It loads
+the folder written by `mot_jax.export.weights.export` (`config.json` + `model.safetensors`, no pickle, no code)
+and computes the same numbers as the JAX modules (`mot_jax.translate`), fp32 to about 1e-6:
+
+    translator = KVTranslator.from_pretrained("exported/")
+    k, v = translator.translate_window(source_k, source_v, alignment_weights, target_mask)
+
+`source_k` / `source_v` are the source model's cache, per layer [B, Ks, S, ds] as transformers holds it (e.g.
+`[layer.keys for layer in cache.layers]`) or stacked [Ls, B, Ks, S, ds]; `alignment_weights` [B, T, S] map the
+source tokens onto the target's T tokens (the `Alignment.weights` of `mot_jax.translate.align`); the result is the
+translated K and V of the window's target layers (`config.target_layers`), each [W, B, Kt, T, dt].
+
+Every parameter keeps the JAX layout and name: leading [expert] or [expert, block] axes, Linear kernels [in, out].
+Each expert runs on every token (dense); for a translator trained with sparse dispatch, the tokens that the JAX
+sparse path drops (over an expert's capacity) are dropped here too, so both dispatches match exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
+FORMAT = "mot_jax.kv_translator"
+EPS = 1e-5  # the translator's LayerNorm epsilon
+MASK_VALUE = -1e30  # finite: a query with no visible key gets a uniform softmax instead of NaN, as in JAX
+
+
+@dataclasses.dataclass(frozen=True)
+class TorchTranslatorConfig:
+    """The exported config.json: TranslatorConfig and TranslationSpec fields and the two models' cache shapes."""
+
+    source_width: int  # source kv_heads * head_dim
+    target_width: int  # target kv_heads * head_dim
+    window: int  # W window layers
+    source_layers: tuple  # per window slot, the source layer read
+    target_layers: tuple  # per window slot, the target layer written
+    source_num_layers: int
+    source_kv_heads: int
+    source_head_dim: int
+    target_num_layers: int
+    target_kv_heads: int
+    target_head_dim: int
+    source_rotary: bool = False  # the source model uses RoPE
+    target_rotary: bool = False
+    dim: int = 1024
+    heads: int = 16
+    depth: int = 2
+    mlp_ratio: int = 4
+    output_activation: str = "gelu"
+    fused_output: bool = True
+    causal: bool = False
+    num_experts: int = 2
+    top_k: int = 1
+    dispatch: str = "sparse"
+    capacity_factor: float = 1.25
+    mode: str = "replay"
+    layer_map: tuple = ()
+    sparse_attention: bool = True
+    k_attn: int = 32
+    dense_bottom: int = 2
+    rotary: bool = False
+
+    def __post_init__(self):
+        for name in ("source_layers", "target_layers", "layer_map"):
+            object.__setattr__(self, name, tuple(int(i) for i in getattr(self, name)))
+        checks = [
+            (1 <= self.top_k <= self.num_experts, f"top_k={self.top_k} must be in 1..num_experts={self.num_experts}"),
+            (self.dispatch in ("dense", "sparse"), f"dispatch={self.dispatch!r} must be 'dense' or 'sparse'"),
+            (self.output_activation in ("gelu", "none"), f"output_activation={self.output_activation!r} is unknown"),
+            (self.dim % self.heads == 0, f"dim={self.dim} must be divisible by heads={self.heads}"),
+            (not self.rotary or self.output_activation == "none", "rotary=true needs output_activation='none'"),
+            (
+                len(self.source_layers) == len(self.target_layers) == self.window,
+                f"window={self.window} must equal the number of source_layers and target_layers",
+            ),
+            (
+                self.source_width == self.source_kv_heads * self.source_head_dim,
+                "source_width must equal source_kv_heads * source_head_dim",
+            ),
+            (
+                self.target_width == self.target_kv_heads * self.target_head_dim,
+                "target_width must equal target_kv_heads * target_head_dim",
+            ),
+            (
+                all(0 <= i < self.source_num_layers for i in self.source_layers)
+                and all(0 <= i < self.target_num_layers for i in self.target_layers),
+                "source_layers / target_layers must be layers of the source / target model",
+            ),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(f"Invalid translator config: {message}; fix config.json or re-export the translator.")
+
+    @property
+    def router_hidden(self) -> int:
+        return max(64, min(self.dim, self.window * self.source_width))
+
+    @property
+    def apply_rotary(self) -> bool:
+        """Keys are un-rotated before and re-rotated after translation (the spec asks and both models use RoPE)."""
+        return self.rotary and self.source_rotary and self.target_rotary
+
+    def capacity(self, length: int) -> int:
+        """Query slots per expert and batch row of the JAX sparse dispatch (tokens beyond them are dropped)."""
+        if self.dispatch == "dense" or self.num_experts == 1:
+            return length
+        return min(length, -(-int(self.capacity_factor * self.top_k * length) // self.num_experts))
+
+    @classmethod
+    def from_dict(cls, d: dict) -> TorchTranslatorConfig:
+        """From the exported config.json dict; keys that are not fields (format, format_version, ...) are ignored."""
+        if not isinstance(d, dict):
+            raise ValueError("The translator config is not a JSON object; use the config.json written by the export.")
+        if d.get("format", FORMAT) != FORMAT:
+            raise ValueError(f"The config's format is {d['format']!r}, not {FORMAT!r}; load an exported translator.")
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        required = [n for n, f in fields.items() if f.default is dataclasses.MISSING]
+        missing = [n for n in required if n not in d]
+        if missing:
+            raise ValueError(f"The translator config lacks {', '.join(missing)}; re-export the translator.")
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items() if k in fields})
+
+    def to_dict(self) -> dict:
+        d = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
+        return {"format": FORMAT, "format_version": 1, **d}
+
+
+def gelu(x):
+    return F.gelu(x)  # exact (erf), as the JAX translator
+
+
+def layer_norm(x, scale, bias, stacked):
+    """LayerNorm over the last axis, in fp32. stacked: scale/bias [E, ..., d] line up with x [E, ..., d]'s trailing
+    axes after the expert axis (x [E, B, T, W, d] with scale [E, W, d] or [E, d]); else plain broadcasting."""
+    x32 = x.float()
+    mean = x32.mean(-1, keepdim=True)
+    var = (x32 - mean).square().mean(-1, keepdim=True)
+    y = ((x32 - mean) * torch.rsqrt(var + EPS)).to(x.dtype)
+    if stacked:
+        shape = (scale.shape[0],) + (1,) * (x.ndim - scale.ndim) + tuple(scale.shape[1:])
+        scale, bias = scale.reshape(shape), bias.reshape(shape)
+    return y * scale + bias
+
+
+def linear(x, kernel, bias):
+    """Per expert: x [E, ..., din] @ kernel [E, din, dout] + bias [E, dout]."""
+    e = kernel.shape[0]
+    y = torch.matmul(x.reshape(e, -1, x.shape[-1]), kernel)
+    return y.reshape(*x.shape[:-1], -1) + bias.reshape(e, *(1,) * (x.ndim - 2), -1)
+
+
+class LayerNorm(nn.Module):
+    def __init__(self, *shape):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(shape))
+        self.bias = nn.Parameter(torch.zeros(shape))
+
+
+class Linear(nn.Module):
+    """Kernel [*lead, din, dout] (the JAX layout, transposed from nn.Linear's weight) and bias [*lead, dout]."""
+
+    def __init__(self, *lead, din, dout):
+        super().__init__()
+        self.kernel = nn.Parameter(torch.randn(*lead, din, dout) * (3 * din) ** -0.5)
+        self.bias = nn.Parameter(torch.zeros(*lead, dout))
+
+
+class CrossAttentionBlocks(nn.Module):
+    """The R x W un-shared cross-attention blocks of every expert: parameters [expert, block, ...]."""
+
+    def __init__(self, cfg: TorchTranslatorConfig):
+        super().__init__()
+        lead, d, hidden = (cfg.num_experts, cfg.depth * cfg.window), cfg.dim, cfg.mlp_ratio * cfg.dim
+        self.heads = cfg.heads
+        self.norm_q, self.norm_ctx = LayerNorm(*lead, d), LayerNorm(*lead, d)
+        self.in_proj = Linear(*lead, din=d, dout=3 * d)  # packed q, k, v
+        self.out_proj = Linear(*lead, din=d, dout=d)
+        self.norm_ffn = LayerNorm(*lead, d)
+        self.fc1 = Linear(*lead, din=d, dout=hidden)
+        self.fc2 = Linear(*lead, din=hidden, dout=d)
+
+    def forward(self, g, ctx, visible, i):
+        """Block i of every expert: g [E, B, T, D] queries, ctx [E, B, T, D] one window layer, visible [B, T|1, T]."""
+        p = lambda m: (m.kernel[:, i], m.bias[:, i]) if isinstance(m, Linear) else (m.scale[:, i], m.bias[:, i])
+        q_in, c = layer_norm(g, *p(self.norm_q), True), layer_norm(ctx, *p(self.norm_ctx), True)
+        kernel, bias = p(self.in_proj)
+        d, h = g.shape[-1], self.heads
+        q = linear(q_in, kernel[..., :d], bias[..., :d])
+        k = linear(c, kernel[..., d : 2 * d], bias[..., d : 2 * d])
+        v = linear(c, kernel[..., 2 * d :], bias[..., 2 * d :])
+        split = lambda a: a.reshape(*a.shape[:3], h, d // h)
+        logits = torch.einsum("ebchd,ebthd->ebhct", split(q).float(), split(k).float())
+        logits = torch.where(visible[None, :, None], logits * (d // h) ** -0.5, MASK_VALUE)
+        probs = torch.softmax(logits, dim=-1).to(v.dtype)
+        attn = torch.einsum("ebhct,ebthd->ebchd", probs, split(v)).reshape(q.shape)
+        g = g + linear(attn, *p(self.out_proj))
+        return g + linear(gelu(linear(layer_norm(g, *p(self.norm_ffn), True), *p(self.fc1))), *p(self.fc2))
+
+
+class Experts(nn.Module):
+    """The N translator experts of one mixture (K or V), all parameters with a leading [expert] axis."""
+
+    def __init__(self, cfg: TorchTranslatorConfig):
+        super().__init__()
+        self.cfg = cfg
+        n, d, w = cfg.num_experts, cfg.dim, cfg.window
+        self.input_norm = LayerNorm(n, cfg.source_width)
+        self.input_proj = Linear(n, din=cfg.source_width, dout=d)
+        self.blocks = CrossAttentionBlocks(cfg)
+        if cfg.fused_output:  # one projection of all W states to all W layers
+            self.output_norm = LayerNorm(n, w * d)
+            self.output_proj = Linear(n, din=w * d, dout=w * cfg.target_width)
+        else:  # one per window layer: [expert, W, ...]
+            self.output_norm = LayerNorm(n, w, d)
+            self.output_proj = Linear(n, w, din=d, dout=cfg.target_width)
+
+    def forward(self, x, token_mask):
+        """x [B, T, W, ds], token_mask [B, T] bool -> every expert's output on every token [E, B, T, W, dt]."""
+        cfg = self.cfg
+        b, t, w, _ = x.shape
+        x = x.unsqueeze(0).expand(cfg.num_experts, *x.shape)
+        norm = self.input_norm
+        context = gelu(linear(layer_norm(x, norm.scale, norm.bias, True), self.input_proj.kernel, self.input_proj.bias))
+        visible = token_mask[:, None, :]  # [B, 1, T]
+        if cfg.causal:
+            positions = torch.arange(t, device=x.device)
+            visible = visible & (positions[None, None, :] <= positions[None, :, None])
+        g, last_stage = context[:, :, :, 0], []  # the chain starts from P_0 [E, B, T, D]
+        for r in range(cfg.depth):
+            for layer in range(w):  # block r * W + l reads window layer l
+                g = self.blocks(g, context[:, :, :, layer], visible, r * w + layer)
+                if r == cfg.depth - 1:
+                    last_stage.append(g)
+        states = torch.stack(last_stage, dim=3)  # [E, B, T, W, D]
+        norm, proj = self.output_norm, self.output_proj
+        if cfg.fused_output:
+            y = linear(layer_norm(states.reshape(*states.shape[:3], -1), norm.scale, norm.bias, True), proj.kernel,
+                       proj.bias)  # fmt: skip
+        else:
+            y = torch.einsum("ebtwd,ewdo->ebtwo", layer_norm(states, norm.scale, norm.bias, True), proj.kernel)
+            y = y + proj.bias[:, None, None]
+        if cfg.output_activation == "gelu":
+            y = gelu(y)
+        return y.reshape(cfg.num_experts, b, t, w, cfg.target_width)
+
+
+class Router(nn.Module):
+    """LayerNorm -> Linear -> GELU -> Linear to N logits, per token, on the flattened window [B, T, W * ds]."""
+
+    def __init__(self, cfg: TorchTranslatorConfig):
+        super().__init__()
+        width = cfg.window * cfg.source_width
+        self.norm = LayerNorm(width)
+        self.hidden = Linear(din=width, dout=cfg.router_hidden)
+        self.out = Linear(din=cfg.router_hidden, dout=cfg.num_experts)
+
+    def forward(self, x):
+        """x [B, T, W, ds] -> logits [B, T, N] (fp32)."""
+        h = layer_norm(x.reshape(*x.shape[:2], -1), self.norm.scale, self.norm.bias, False)
+        h = gelu(h @ self.hidden.kernel + self.hidden.bias)
+        return (h @ self.out.kernel + self.out.bias).float()
+
+
+class Mixture(nn.Module):
+    """One mixture of translators (K or V): top-k routing, softmax over the top-k logits, weighted sum."""
+
+    def __init__(self, cfg: TorchTranslatorConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.experts = Experts(cfg)
+        self.router = Router(cfg) if cfg.num_experts > 1 else None
+
+    def routing_weights(self, logits, mask):
+        """[B, T, N] combination weights: softmax over the top-k logits (ties: lower expert first, as
+        jax.lax.top_k), zero outside the top k, for padding tokens and (sparse) for tokens over capacity."""
+        cfg = self.cfg
+        top_logits, top_experts = torch.sort(logits, dim=-1, descending=True, stable=True)
+        top_logits, top_experts = top_logits[..., : cfg.top_k], top_experts[..., : cfg.top_k]
+        weights = torch.zeros_like(logits).scatter(-1, top_experts, torch.softmax(top_logits, dim=-1))
+        chosen = torch.zeros_like(logits, dtype=torch.bool).scatter(-1, top_experts, True) & mask[..., None]
+        if cfg.dispatch == "sparse":  # each expert serves the first `capacity` routed tokens of each row
+            chosen = chosen & (torch.cumsum(chosen.int(), dim=1) - 1 < cfg.capacity(logits.shape[1]))
+        return torch.where(chosen, weights, 0.0)
+
+    def forward(self, x, token_mask=None):
+        """x [B, T, W, ds] (source K or V on the target token grid), token_mask [B, T] -> y [B, T, W, dt]."""
+        b, t = x.shape[:2]
+        mask = torch.ones(b, t, dtype=torch.bool, device=x.device) if token_mask is None else token_mask.bool()
+        out = self.experts(x, mask)  # [N, B, T, W, dt]
+        if self.router is None:  # N = 1: no routing (padding tokens get a translation too, as in JAX)
+            return out[0]
+        weights = self.routing_weights(self.router(x), mask)
+        return torch.einsum("btn,nbtwd->btwd", weights.to(out.dtype), out)
+
+
+class Rope(nn.Module):
+    """Per-layer RoPE inverse frequencies of the source [Ls, ds/2] and target [Lt, dt/2] models (buffers)."""
+
+    def __init__(self, cfg: TorchTranslatorConfig):
+        super().__init__()
+        self.register_buffer("source_inv_freq", torch.zeros(cfg.source_num_layers, cfg.source_head_dim // 2))
+        self.register_buffer("target_inv_freq", torch.zeros(cfg.target_num_layers, cfg.target_head_dim // 2))
+
+
+def apply_rope(x, positions, inv_freq):
+    """Rotate-half RoPE (the HF layout). x [B, T, H, d]; positions [B, T]; inv_freq [d/2]."""
+    angles = positions.float()[..., None] * inv_freq.float()  # [B, T, d/2]
+    cos = torch.cat([angles.cos()] * 2, -1)[:, :, None, :].to(x.dtype)
+    sin = torch.cat([angles.sin()] * 2, -1)[:, :, None, :].to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+def target_positions(mask):
+    """The target's RoPE positions of its (any-side padded) tokens: valid tokens counted from 0."""
+    return torch.clamp(torch.cumsum(mask.long(), dim=1) - 1, min=0)
+
+
+class KVTranslator(nn.Module):
+    """A K mixture and a V mixture (`key`, `value`) and, for rotary translators, the RoPE tables (`rope`)."""
+
+    def __init__(self, config: TorchTranslatorConfig | dict):
+        super().__init__()
+        cfg = config if isinstance(config, TorchTranslatorConfig) else TorchTranslatorConfig.from_dict(config)
+        self.config = cfg
+        self.key, self.value = Mixture(cfg), Mixture(cfg)
+        self.rope = Rope(cfg) if cfg.apply_rotary else None
+
+    @classmethod
+    def from_pretrained(cls, folder, device="cpu", dtype=torch.float32) -> KVTranslator:
+        """The translator exported to `folder` (config.json + model.safetensors), on `device`, in eval mode."""
+        folder = Path(folder)
+        config_path, weights_path = folder / CONFIG_FILE, folder / WEIGHTS_FILE
+        for path in (config_path, weights_path):
+            if not path.is_file():
+                raise ValueError(f"{path} does not exist; pass a folder written by mot_jax.export.weights.export.")
+        try:
+            config = json.loads(config_path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{config_path} is not valid JSON ({e}); export the translator again.") from None
+        cfg = TorchTranslatorConfig.from_dict(config)
+        try:
+            from safetensors.torch import load_file
+
+            tensors = load_file(str(weights_path), device=str(device))
+        except Exception as e:  # a truncated or foreign file
+            raise ValueError(f"Cannot read {weights_path} ({e}); export the translator again.") from None
+        with torch.device("meta"):
+            model = cls(cfg)
+        expected = model.state_dict()
+        missing = [name for name in expected if name not in tensors]
+        if missing:
+            raise ValueError(
+                f"{weights_path} lacks tensor {missing[0]!r} (and {len(missing) - 1} more) that {config_path} "
+                "implies; export config.json and model.safetensors together from the same translator."
+            )
+        unexpected = [name for name in tensors if name not in expected]
+        if unexpected:
+            raise ValueError(
+                f"{weights_path} holds tensor {unexpected[0]!r} (and {len(unexpected) - 1} more) that {config_path} "
+                "does not describe; export config.json and model.safetensors together from the same translator."
+            )
+        for name, tensor in expected.items():
+            if tuple(tensors[name].shape) != tuple(tensor.shape):
+                raise ValueError(
+                    f"Tensor {name!r} in {weights_path} has shape {tuple(tensors[name].shape)} but {config_path} "
+                    f"implies {tuple(tensor.shape)}; export config.json and model.safetensors together."
+                )
+        state = {k: t if k.startswith("rope.") else t.to(dtype) for k, t in tensors.items()}
+        model.load_state_dict(state, strict=True, assign=True)
+        return model.eval()
+
+    @property
+    def dtype(self):
+        return self.key.experts.input_proj.kernel.dtype
+
+    def _stack(self, cache, name):
+        """Per-layer list of [B, K, S, d] or stacked [L, B, K, S, d] -> the window's layers [B, S, W, K, d]."""
+        cfg = self.config
+        if isinstance(cache, torch.Tensor) and cache.ndim == 5:
+            cache = list(cache.unbind(0))
+        if not isinstance(cache, (list, tuple)) or len(cache) != cfg.source_num_layers:
+            raise ValueError(
+                f"{name} must hold the source model's {cfg.source_num_layers} layers, per layer [B, K, S, d] or "
+                f"stacked [L, B, K, S, d]; pass every layer of the source cache."
+            )
+        shape = tuple(cache[cfg.source_layers[0]].shape)
+        if len(shape) != 4 or shape[1] != cfg.source_kv_heads or shape[3] != cfg.source_head_dim:
+            raise ValueError(
+                f"{name} layers are {shape} but the translator reads [B, {cfg.source_kv_heads}, S, "
+                f"{cfg.source_head_dim}]; pass the cache of the source model it was trained for."
+            )
+        if any(tuple(cache[i].shape) != shape for i in cfg.source_layers):
+            raise ValueError(
+                f"{name} layers {list(cfg.source_layers)} differ in shape (e.g. a sliding-window cache); pass a "
+                "full-length cache of every layer."
+            )
+        x = torch.stack([cache[i] for i in cfg.source_layers], dim=0)  # [W, B, K, S, d]
+        return x.permute(1, 3, 0, 2, 4).to(self.dtype)
+
+    def translate_window(self, source_k, source_v, alignment_weights, target_mask=None, source_positions=None):
+        """The translated K and V of the window's target layers, each [W, B, Kt, T, dt].
+
+        source_k, source_v: the source cache, per layer [B, Ks, S, ds] or stacked [Ls, B, Ks, S, ds] (keys after
+        RoPE, as transformers caches them); alignment_weights [B, T, S]; target_mask [B, T] (default all valid);
+        source_positions [B, S], the RoPE positions of the source slots (default 0..S-1, right padding).
+        """
+        cfg = self.config
+        k, v = self._stack(source_k, "source_k"), self._stack(source_v, "source_v")  # [B, S, W, K, d]
+        b, s = k.shape[:2]
+        weights = torch.as_tensor(alignment_weights, device=k.device)
+        if weights.ndim != 3 or weights.shape[0] != b or weights.shape[2] != s:
+            raise ValueError(
+                f"alignment_weights are {tuple(weights.shape)}, not [B={b}, T, S={s}]; pass the alignment of this "
+                "source cache onto the target tokens."
+            )
+        t = weights.shape[1]
+        if target_mask is None:
+            mask = torch.ones(b, t, dtype=torch.bool, device=k.device)
+        else:
+            mask = torch.as_tensor(target_mask, device=k.device).bool()
+        if tuple(mask.shape) != (b, t):
+            raise ValueError(f"target_mask is {tuple(mask.shape)}, not [B={b}, T={t}]; pass one flag per target token.")
+        if cfg.apply_rotary:  # un-rotate the source keys by their own positions
+            if source_positions is None:
+                positions = torch.arange(s, device=k.device).expand(b, s)
+            else:
+                positions = torch.as_tensor(source_positions, device=k.device)
+            freq = self.rope.source_inv_freq
+            k = torch.stack([apply_rope(k[:, :, i], -positions, freq[li]) for i, li in enumerate(cfg.source_layers)],
+                            dim=2)  # fmt: skip
+        resample = lambda x: torch.einsum("bts,bsw->btw", weights.float(), x.reshape(b, s, -1).float())
+        k = resample(k).reshape(b, t, cfg.window, -1).to(self.dtype)  # [B, T, W, Ks * ds]
+        v = resample(v).reshape(b, t, cfg.window, -1).to(self.dtype)
+        k, v = self.key(k, mask), self.value(v, mask)
+        k = k.reshape(b, t, cfg.window, cfg.target_kv_heads, cfg.target_head_dim)
+        v = v.reshape(b, t, cfg.window, cfg.target_kv_heads, cfg.target_head_dim)
+        if cfg.apply_rotary:  # rotate the translated keys at the target positions
+            positions, freq = target_positions(mask), self.rope.target_inv_freq
+            k = torch.stack([apply_rope(k[:, :, i], positions, freq[li]) for i, li in enumerate(cfg.target_layers)],
+                            dim=2)  # fmt: skip
+        return k.permute(2, 0, 3, 1, 4), v.permute(2, 0, 3, 1, 4)
+
+    forward = translate_window
+
+
+def load(folder, device="cpu", dtype=torch.float32) -> KVTranslator:
+    """`KVTranslator.from_pretrained(folder)`."""
+    return KVTranslator.from_pretrained(folder, device=device, dtype=dtype)
+
+
+__all__ = ["KVTranslator", "Mixture", "Experts", "Router", "TorchTranslatorConfig", "load", "apply_rope"]

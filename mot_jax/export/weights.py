@@ -1,0 +1,89 @@
+"""A KVTranslator's weights and config as plain numpy / JSON, for `mot_jax.export.torch_translator`.
+
+`export(translator, source, target, folder)` writes `folder/config.json` and `folder/model.safetensors`; the torch
+side loads them with `KVTranslator.from_pretrained(folder)` and imports no JAX.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+from flax import nnx
+
+from mot_jax.errors import MotJaxError
+from mot_jax.models import decoder
+from mot_jax.models.base import ModelConfig
+from mot_jax.models.loading import FAMILY_BY_NAME
+
+CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
+FORMAT = "mot_jax.kv_translator"
+
+
+def _config(model) -> ModelConfig:
+    return model if isinstance(model, ModelConfig) else model.config
+
+
+def _rope(model):
+    """[L, head_dim / 2] inverse frequencies of a rotary model (or its config), None for other families."""
+    cfg = _config(model)
+    rotary = issubclass(FAMILY_BY_NAME[cfg.family][1], decoder.RotaryLM)
+    return np.asarray(decoder.rope_table(cfg), np.float32) if rotary else None
+
+
+def _rotary(translator, source, target) -> bool:
+    """Whether `translate_window` un/re-rotates keys: the spec asks for it and both models use RoPE."""
+    return bool(translator.spec.rotary) and _rope(source) is not None and _rope(target) is not None
+
+
+def translator_tensors(translator, source=None, target=None) -> dict[str, np.ndarray]:
+    """{dotted parameter name: fp32 array} of a KVTranslator, plus `rope.source_inv_freq` [Ls, ds/2] and
+    `rope.target_inv_freq` [Lt, dt/2] when its spec is rotary and both models (or configs) use RoPE."""
+    state = nnx.to_flat_state(nnx.state(translator, nnx.Param))
+    tensors = {".".join(map(str, path)): np.asarray(var[...], np.float32) for path, var in state}
+    if translator.spec.rotary:
+        if source is None or target is None:
+            raise MotJaxError("A rotary translator exports RoPE tables; pass its source and target models or configs.")
+        if _rotary(translator, source, target):
+            tensors["rope.source_inv_freq"], tensors["rope.target_inv_freq"] = _rope(source), _rope(target)
+    return {name: np.ascontiguousarray(array) for name, array in tensors.items()}
+
+
+def translator_config(translator, source, target) -> dict:
+    """JSON-serialisable: the TranslatorConfig and TranslationSpec fields and the two models' cache shapes."""
+    lists = lambda d: {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}  # noqa: E731
+    out = {"format": FORMAT, "format_version": 1}
+    out |= lists(dataclasses.asdict(translator.cfg)) | lists(dataclasses.asdict(translator.spec))
+    for side, model in (("source", source), ("target", target)):
+        cfg = _config(model)
+        out |= {f"{side}_num_layers": cfg.num_layers, f"{side}_kv_heads": cfg.num_kv_heads}
+        out |= {f"{side}_head_dim": cfg.head_dim, f"{side}_rotary": _rope(model) is not None}
+    out["apply_rotary"] = _rotary(translator, source, target)
+    return out
+
+
+def export(translator, source, target, folder, extra: dict | None = None) -> Path:
+    """Write `config.json` (plus the `extra` entries, e.g. model names) and `model.safetensors` (no pickle) of a
+    KVTranslator to `folder`, all or nothing (written beside it, then renamed); returns the folder."""
+    import shutil
+    import tempfile
+
+    from safetensors.numpy import save_file
+
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    config = translator_config(translator, source, target) | (extra or {})
+    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    try:
+        save_file(
+            translator_tensors(translator, source, target), str(staging / WEIGHTS_FILE), metadata={"format": "pt"}
+        )
+        (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        if folder.exists():
+            shutil.rmtree(folder)
+        staging.rename(folder)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return folder

@@ -1,0 +1,80 @@
+"""A trained translator read back from a training workdir, without loading the LLMs (export and evaluation).
+
+Everything needed to rebuild it is in the checkpoint: the translator's shape and wiring (the experiment identity),
+the source and target model configs, and the config the run used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from flax import nnx
+
+from mot_jax.errors import MotJaxError
+from mot_jax.models.base import ModelConfig
+from mot_jax.training.checkpoint import Checkpoints
+from mot_jax.training.loop import as_path
+from mot_jax.training.optim import adamw
+from mot_jax.translate.expert import TranslatorConfig
+from mot_jax.translate.translator import KVTranslator, TranslationSpec
+
+
+@dataclasses.dataclass
+class Trained:
+    translator: KVTranslator
+    config: ml_collections.ConfigDict  # the training config
+    source_config: ModelConfig
+    target_config: ModelConfig
+    step: int
+    meta: dict
+
+
+def _tuples(value):
+    """JSON lists back to the tuples the frozen config dataclasses hold."""
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
+
+
+def _dataclass(cls, fields: dict):
+    return cls(**{k: _tuples(v) for k, v in fields.items()})
+
+
+def load_trained(workdir, which: str = "last") -> Trained:
+    """The translator of the latest (`which="last"`) or best-validation (`"best"`) checkpoint in `workdir`."""
+    if which not in ("last", "best"):
+        raise MotJaxError(f"which={which!r} is not 'last' or 'best'.")
+    path = as_path(workdir)
+    checkpoints = Checkpoints(path, keep=1, create=False)
+    manager = checkpoints.best if which == "best" else checkpoints.last
+    step = manager.latest_step() if (path / manager.directory.name).exists() else None
+    if step is None:
+        raise MotJaxError(
+            f"{path} holds no finished checkpoint ({which}); train there first with python -m mot_jax.train "
+            "--config=... --workdir=DIR, or pass the workdir of a run that saved one."
+        )
+    meta = checkpoints.read_meta(step, which)
+    identity = meta["identity"]
+    spec = _dataclass(TranslationSpec, identity["spec"])
+    tcfg = _dataclass(TranslatorConfig, identity["translator"])
+    config = ml_collections.ConfigDict(json.loads(meta["config"]))
+    abstract = nnx.eval_shape(lambda: KVTranslator(spec, tcfg, rngs=nnx.Rngs(0)))
+    graphdef, params = nnx.split(abstract, nnx.Param)
+    tx, _ = adamw(config.optim, config.steps)
+    state = dict(
+        params=params,
+        opt_state=jax.eval_shape(tx.init, params),
+        rng=jax.ShapeDtypeStruct((2,), jnp.uint32),
+    )
+    restored = checkpoints.restore(state, step, which)
+    checkpoints.close()
+    return Trained(
+        translator=nnx.merge(graphdef, restored["params"]),
+        config=config,
+        source_config=_dataclass(ModelConfig, identity["source_model"]),
+        target_config=_dataclass(ModelConfig, identity["target_model"]),
+        step=step,
+        meta=meta,
+    )

@@ -1,0 +1,130 @@
+"""The exported translator driving Hugging Face transformers models: caches and greedy tokens equal mot_jax's."""
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from flax import nnx
+from safetensors.numpy import save_file
+
+from mot_jax.export import weights
+from mot_jax.export.torch_pipeline import CachePipeline
+from mot_jax.export.torch_translator import KVTranslator as TorchKVTranslator
+from mot_jax.models import tiny
+from mot_jax.models.base import decode_step
+from mot_jax.models.loading import hf_state_dict
+from mot_jax.translate import channels
+from mot_jax.translate.translator import CacheTranslator, KVTranslator, TranslationSpec, mixture_config
+
+TEXT = "The lighthouse keeper on Farrow Island counts ships at dawn and writes their names in a blue book."
+NEW_TOKENS = 20
+
+
+def hf_model(name, tmp_path):
+    """The tiny random mot_jax model as a transformers model (eager attention), and the mot_jax model."""
+    model, config, tokenizer = tiny.load(name)
+    folder = tmp_path / name.replace(":", "_")
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    save_file({k: np.ascontiguousarray(v) for k, v in hf_state_dict(model).items()}, str(folder / "model.safetensors"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(folder), attn_implementation="eager", dtype=torch.float32
+    )
+    return model, hf.eval(), tokenizer
+
+
+def jax_greedy(target, cache, suffix):
+    logits, cache = target(jnp.asarray(suffix), cache=cache)
+    tokens = [int(jnp.argmax(logits[0, -1]))]
+    for _ in range(NEW_TOKENS - 1):
+        logits, cache = decode_step(target, jnp.asarray([tokens[-1]], jnp.int32), cache)
+        tokens.append(int(jnp.argmax(logits[0])))
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("hf")
+    return {name: hf_model(name, tmp) for name in ("random:llama", "random:gemma3")}
+
+
+@pytest.mark.parametrize("mode", ["replay", "direct"])
+@pytest.mark.parametrize("pair", [("random:llama", "random:gemma3"), ("random:gemma3", "random:llama")])
+def test_transformers_generation_from_the_exported_translation_equals_mot_jax(models, pair, mode, tmp_path):
+    """Both directions: a Gemma-3 source has sliding layers (window 32 < the 56-token context)."""
+    (source, source_hf, source_tok), (target, target_hf, target_tok) = models[pair[0]], models[pair[1]]
+    spec = TranslationSpec.build(mode, channels.terminal(4, 4, 0.5), 4, 4, k_attn=4, dense_bottom=1)
+    cfg = mixture_config(spec, source, target, dim=32, heads=4, depth=1, mlp_ratio=2, num_experts=2, dispatch="dense")
+    translator = KVTranslator(spec, cfg, rngs=nnx.Rngs(3))
+    ids = np.asarray([target_tok.encode(TEXT).ids], np.int32)
+    mask = np.ones(ids.shape, bool)
+    suffix = np.asarray([target_tok.encode(" Who counts ships?").ids], np.int32)
+
+    jax_cache = CacheTranslator(source, target, source_tok, target_tok, translator).from_target_ids(
+        ids, mask, capacity=ids.shape[1] + suffix.shape[1] + NEW_TOKENS
+    )
+    expected = jax_greedy(target, jax_cache, suffix)
+
+    weights.export(translator, source, target, tmp_path / "exported")
+    pipe = CachePipeline(
+        source_hf, target_hf, source_tok, target_tok, TorchKVTranslator.from_pretrained(tmp_path / "exported")
+    )
+    cache = pipe.from_target_ids(ids, mask)
+    length = ids.shape[1]
+    for layer, hf_layer in enumerate(cache.layers):  # Gemma-3's sliding layers keep only their window's last slots
+        kept = slice(length - hf_layer.keys.shape[2], length)
+        np.testing.assert_allclose(hf_layer.keys.numpy(), np.asarray(jax_cache.k[layer, :, :, kept]), atol=1e-4)
+        np.testing.assert_allclose(hf_layer.values.numpy(), np.asarray(jax_cache.v[layer, :, :, kept]), atol=1e-4)
+    full = torch.as_tensor(np.concatenate([ids, suffix], 1), dtype=torch.long)
+    out = target_hf.generate(
+        input_ids=full, attention_mask=torch.ones_like(full), past_key_values=cache, max_new_tokens=NEW_TOKENS,
+        do_sample=False, pad_token_id=0,
+    )  # fmt: skip
+    got = out[0, full.shape[1] :].tolist()
+    assert got == expected[: len(got)] and (len(got) == NEW_TOKENS or got[-1] == 2), (got, expected)  # 2: EOS
+
+
+def test_export_command_writes_the_trained_translator(tmp_path):
+    from safetensors import safe_open
+    from test_train_run import load_config
+
+    from mot_jax.export.__main__ import export_workdir
+    from mot_jax.training.loop import train_and_evaluate
+    from mot_jax.training.trained import load_trained
+
+    train_and_evaluate(load_config(steps=2), tmp_path / "run")
+    out, trained = export_workdir(tmp_path / "run", tmp_path / "exported")
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    config = json.loads((out / "config.json").read_text())
+    assert (config["source"], config["target"], config["step"]) == ("random:llama", "random:gemma3", 2)
+    with safe_open(str(out / "model.safetensors"), "np") as f:
+        saved = {name: f.get_tensor(name) for name in f.keys()}
+    params = {".".join(map(str, p)): np.asarray(v[...]) for p, v in nnx.to_flat_state(nnx.state(trained.translator))}
+    assert saved.keys() == params.keys()
+    for name, value in params.items():
+        np.testing.assert_array_equal(saved[name], value)
+    assert trained.step == load_trained(tmp_path / "run", "best").step == 2
+    TorchKVTranslator.from_pretrained(out)  # loads with torch alone
+
+
+def test_export_refuses_a_workdir_without_a_finished_checkpoint(tmp_path):
+    from mot_jax.errors import MotJaxError
+    from mot_jax.export.__main__ import export_workdir
+
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    with pytest.raises(MotJaxError, match="holds no finished checkpoint"):
+        export_workdir(tmp_path / "run", tmp_path / "exported")
+    assert not (tmp_path / "exported").exists()
+
+
+def test_the_transformers_pipeline_imports_no_jax():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, mot_jax.export.torch_pipeline; assert not {'jax', 'flax'} & set(sys.modules), sys.modules.keys()"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
