@@ -1,0 +1,1 @@
+"""Evaluation: tasks, metrics, baselines and reports."""

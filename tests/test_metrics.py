@@ -1,0 +1,59 @@
+"""Answer metrics against hand-computed cases (the SQuAD v1.1 script's normalisation)."""
+
+import pytest
+
+from mot_jax.evals.metrics import exact_match, f1, first_line, match_choice, normalize_answer
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("The Eiffel Tower!", "eiffel tower"),
+        ("  an   apple,  a day ", "apple day"),
+        ("Theatre of the Absurd", "theatre of absurd"),  # "the" only as a whole word
+        ("U.S.A.", "usa"),
+        ("", ""),
+        ("A", ""),
+    ],
+)
+def test_normalize_answer(text, expected):
+    assert normalize_answer(text) == expected
+
+
+def test_exact_match_and_f1_take_the_best_gold():
+    assert exact_match("the Paris", ["Lyon", "Paris"]) == 1.0
+    assert exact_match("Paris, France", ["Paris"]) == 0.0
+    # prediction "paris france" vs gold "paris": precision 1/2, recall 1 -> F1 2/3
+    assert f1("Paris, France", ["Lyon", "Paris"]) == pytest.approx(2 / 3)
+    # repeated tokens count once per occurrence: pred "blue blue sky" vs gold "blue sky": common 2 -> P 2/3, R 1
+    assert f1("blue blue sky", ["blue sky"]) == pytest.approx(0.8)
+    assert f1("nothing", ["something else"]) == 0.0
+    assert f1("the", ["a"]) == 1.0  # both normalise to empty
+    assert f1("the", ["Paris"]) == 0.0
+
+
+def test_first_line_cuts_at_the_newline():
+    assert first_line("  Paris\nQuestion: next") == "Paris"
+
+
+@pytest.mark.parametrize(
+    "generation, expected",
+    [
+        ("Yes", 0),
+        ("no.", 1),
+        ("The answer is no", 1),
+        ("yes or no", None),  # names both: not credited to the first choice
+        ("maybe", None),
+        ("No\nyes", 1),  # only the first line counts
+    ],
+)
+def test_match_choice_has_no_order_bias(generation, expected):
+    assert match_choice(generation, ["yes", "no"]) == expected
+    reversed_expected = None if expected is None else 1 - expected
+    assert match_choice(generation, ["no", "yes"]) == reversed_expected
+
+
+def test_match_choice_prefers_the_longer_named_choice():
+    choices = ["New York", "New York City", "Boston"]
+    assert match_choice("It is New York City.", choices) == 1
+    assert match_choice("new york", choices) == 0
