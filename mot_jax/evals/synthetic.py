@@ -1,0 +1,98 @@
+"""Offline evaluation examples about invented entities, generated deterministically from a seed.
+
+No model knows the answers without the context: people, places, organisations and pets get invented names, and
+each passage states a few facts about its entity among sentences about other invented entities (distractors).
+Every example is a dict in the documented JSONL schemas:
+
+- extractive: {"context", "question", "answers": [..]} (the answer is a span of the context);
+- closed-set: {"context", "question", "choices": [..], "answer"} (yes/no or four options, the answer's position
+  drawn at random so no position is favoured).
+
+`examples(task, n, seed, distractors)` gives the same list for the same arguments on every machine (numpy's
+PCG64 with the seed and the example index).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+TASKS = ("extractive_qa", "closed_qa")
+_ONSETS = ["b", "br", "d", "f", "g", "k", "l", "m", "n", "p", "qu", "r", "s", "t", "th", "v", "z", "c", "h", "j"]
+_VOWELS = ["a", "e", "i", "o", "u", "ae", "ia", "ou"]
+_CODAS = ["", "n", "r", "l", "s", "th", "m", "x", "nd", "rk"]
+_JOBS = ["glassblower", "cartographer", "beekeeper", "clockmaker", "ferry pilot", "archivist", "lens grinder"]
+_PETS = ["heron", "tortoise", "lynx", "parrot", "goat", "otter", "raven"]
+_COLOURS = ["amber", "teal", "crimson", "ivory", "olive", "violet", "slate"]
+
+
+def _word(rng, syllables: int) -> str:
+    parts = [rng.choice(_ONSETS) + rng.choice(_VOWELS) + rng.choice(_CODAS) for _ in range(syllables)]
+    return "".join(parts).capitalize()
+
+
+def _entity(rng) -> dict:
+    return dict(
+        person=f"{_word(rng, 2)} {_word(rng, 2)}",
+        town=_word(rng, 3),
+        year=int(rng.integers(1720, 1990)),
+        job=str(rng.choice(_JOBS)),
+        guild=f"the {_word(rng, 2)} Guild",
+        pet=str(rng.choice(_PETS)),
+        pet_name=_word(rng, 2),
+        colour=str(rng.choice(_COLOURS)),
+    )
+
+
+def _a(noun: str) -> str:
+    return f"{'an' if noun[0] in 'aeiou' else 'a'} {noun}"
+
+
+def _passage(e: dict) -> str:
+    first = e["person"].split()[0]
+    return (
+        f"{e['person']} was born in {e['town']} in {e['year']}. {first} works as {_a(e['job'])} for {e['guild']} "
+        f"and keeps {_a(e['pet'])} named {e['pet_name']}. The door of {first}'s house is painted {e['colour']}."
+    )
+
+
+# answer field -> (question, yes/no question about a claimed value {value})
+_QUESTIONS = {
+    "town": ("Where was {person} born?", "Was {person} born in {value}?"),
+    "year": ("In which year was {person} born?", "Was {person} born in {value}?"),
+    "pet_name": ("What is the name of {person}'s {pet}?", "Is {person}'s {pet} named {value}?"),
+    "guild": ("For which guild does {person} work?", "Does {person} work for {value}?"),
+    "colour": ("What colour is the door of {person}'s house?", "Is the door of {person}'s house painted {value}?"),
+}
+
+
+def examples(task: str, n: int, seed: int = 0, distractors: int = 2) -> list[dict]:
+    """`n` examples of `task` ("extractive_qa" or "closed_qa"); each context holds the target entity's passage
+    among `distractors` passages about other invented entities, in a random order."""
+    if task not in TASKS:
+        raise ValueError(f"Unknown task {task!r}; use one of {', '.join(TASKS)}.")
+    out = []
+    for index in range(n):
+        rng = np.random.default_rng([seed, index, TASKS.index(task)])
+        entities = [_entity(rng) for _ in range(distractors + 1)]
+        target = entities[0]
+        order = rng.permutation(len(entities))
+        context = " ".join(_passage(entities[i]) for i in order)
+        field = sorted(_QUESTIONS)[int(rng.integers(len(_QUESTIONS)))]
+        question, yes_no = _QUESTIONS[field]
+        answer = str(target[field])
+        if task == "extractive_qa":
+            out.append(dict(context=context, question=question.format(**target), answers=[answer]))
+        elif rng.random() < 0.5:  # yes / no about the true value or another invented one
+            truth, claimed = bool(rng.random() < 0.5), answer
+            while not truth and claimed == answer:
+                claimed = str(_entity(rng)[field])
+            statement = yes_no.format(**target, value=claimed)
+            out.append(
+                dict(context=context, question=statement, choices=["yes", "no"], answer="yes" if truth else "no")
+            )
+        else:  # four options: the answer and three other invented values of the same field, in a random order
+            others = dict.fromkeys(str(_entity(rng)[field]) for _ in range(40))
+            options = [answer] + [o for o in others if o != answer][:3]
+            options = [options[i] for i in rng.permutation(len(options))]
+            out.append(dict(context=context, question=question.format(**target), choices=options, answer=answer))
+    return out
