@@ -80,7 +80,7 @@ def test_transformers_generation_from_the_exported_translation_equals_mot_jax(mo
         np.testing.assert_allclose(hf_layer.values.numpy(), np.asarray(jax_cache.v[layer, :, :, kept]), atol=1e-4)
     full = torch.as_tensor(np.concatenate([ids, suffix], 1), dtype=torch.long)
     out = target_hf.generate(
-        input_ids=full, attention_mask=torch.ones_like(full), past_key_values=cache, max_new_tokens=NEW_TOKENS,
+        input_ids=full, attention_mask=torch.ones_like(full), cache=cache, max_new_tokens=NEW_TOKENS,
         do_sample=False, pad_token_id=0,
     )  # fmt: skip
     got = out[0, full.shape[1] :].tolist()
@@ -128,3 +128,34 @@ def test_the_transformers_pipeline_imports_no_jax():
         "import sys, mot_jax.export.torch_pipeline; assert not {'jax', 'flax'} & set(sys.modules), sys.modules.keys()"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_offline_real_pair_in_transformers_equals_mot_jax(tmp_path):
+    """SmolLM2-135M -> Gemma-3-270M (the converted GGUF checkpoints as transformers directories), sparse replay."""
+    from mot_jax.models.gguf import convert, embedded_gguf_path, load_tokenizer
+    from mot_jax.models.loading import load_model
+
+    names = ("smollm2-135m", "gemma3-270m")
+    (source, target), (source_tok, target_tok) = [load_model(n)[0] for n in names], [load_tokenizer(n) for n in names]
+    spec = TranslationSpec.build("replay", channels.terminal(30, 18, 0.3), 30, 18)
+    translator = KVTranslator(spec, mixture_config(spec, source, target, dim=64, heads=4, depth=1), rngs=nnx.Rngs(0))
+    ids = np.asarray([target_tok.encode(TEXT).ids], np.int32)
+    suffix = np.asarray([target_tok.encode(" Question: Who counts ships? Answer:", add_special_tokens=False).ids])
+    capacity = ids.shape[1] + suffix.shape[1] + NEW_TOKENS
+    ct = CacheTranslator(source, target, source_tok, target_tok, translator)
+    expected = jax_greedy(target, ct.from_target_ids(ids, np.ones(ids.shape, bool), capacity=capacity), suffix)
+    weights.export(translator, source, target, tmp_path / "exported")
+    hf = [
+        transformers.AutoModelForCausalLM.from_pretrained(
+            str(convert(embedded_gguf_path(n), n, load=False)[2]), attn_implementation="eager"
+        ).float().eval()
+        for n in names
+    ]  # fmt: skip
+    pipe = CachePipeline(*hf, source_tok, target_tok, TorchKVTranslator.from_pretrained(tmp_path / "exported"))
+    cache = pipe.from_target_ids(ids, np.ones(ids.shape, bool))
+    full = torch.as_tensor(np.concatenate([ids, suffix], 1), dtype=torch.long)
+    out = hf[1].generate(full, attention_mask=torch.ones_like(full), cache=cache, max_new_tokens=NEW_TOKENS,
+                         do_sample=False)  # fmt: skip
+    got = out[0, full.shape[1] :].tolist()
+    assert got == expected[: len(got)] and len(got) >= NEW_TOKENS // 2, (got, expected)

@@ -3,7 +3,7 @@
     translator = KVTranslator.from_pretrained("exported/")              # written by python -m mot_jax.export
     pipe = CachePipeline(source, target, source_tokenizer, target_tokenizer, translator)
     cache, ids, mask = pipe.from_text(["The passage ..."])               # a transformers DynamicCache
-    out = target.generate(torch.cat([ids, question_ids], 1), past_key_values=cache, max_new_tokens=20)
+    out = target.generate(torch.cat([ids, question_ids], 1), cache=cache, max_new_tokens=20)
 
 `direct`: the translated K/V of every target layer are the cache. `replay`: the transformers target runs over its
 context with the translated K/V read by the window layers' attention (a registered attention function) and sparse
@@ -129,11 +129,11 @@ class CachePipeline:
         out = self.source(
             input_ids=torch.as_tensor(source_ids, dtype=torch.long),
             attention_mask=torch.as_tensor(source_mask, dtype=torch.long),
-            past_key_values=DynamicCache(),  # full-length layers, also for sliding-window sources
+            cache=DynamicCache(),  # full-length layers, also for sliding-window sources
             use_cache=True,
             output_attentions=sparse,
         )
-        return self.from_source_cache(out.past_key_values, alignment, target_ids, target_mask, out.attentions)
+        return self.from_source_cache(out.cache, alignment, target_ids, target_mask, out.attentions)
 
     @torch.no_grad()
     def from_source_cache(self, source_cache, alignment, target_ids, target_mask, source_attentions=None):
@@ -168,7 +168,7 @@ class CachePipeline:
         try:
             with _attention(self.target, ATTENTION):
                 cache = DynamicCache(config=self.target.config)
-                self.target(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+                self.target(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True)
         finally:
             _replay = None
         return cache
