@@ -20,5 +20,4 @@ def get_config(arg=None):
     c.data.corpus = "huggingface:openwebtext"  # the paper's corpus (needs network); docs_prose works offline
     if parse_arg(arg):
         tiny(c, "gpt2", "gpt2")
-        c.data.corpus = "docs_prose"
     return c

@@ -24,5 +24,4 @@ def get_config(arg=None):
     c.eval_every, c.checkpoint_every = 500, 500
     if parse_arg(arg):
         tiny(c, "gpt2", "gpt2")
-        c.data.corpus = "docs_prose"
     return c

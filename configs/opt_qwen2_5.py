@@ -20,5 +20,4 @@ def get_config(arg=None):
     c.data.source_length = 160
     if parse_arg(arg):
         tiny(c, "opt", "qwen2")
-        c.data.corpus = "docs_prose"
     return c

@@ -21,5 +21,4 @@ def get_config(arg=None):
     c.translator.k_attn = 128
     if parse_arg(arg):
         tiny(c, "qwen2", "qwen2")
-        c.data.corpus = "docs_prose"
     return c

@@ -22,6 +22,5 @@ def get_config(arg=None):
     c.batch_size, c.grad_accum = 16, 1
     if parse_arg(arg):
         tiny(c, "qwen2", "qwen2")
-        c.data.corpus = "docs_prose"
         c.mesh.expert, c.batch_size = 1, 2
     return c

@@ -23,7 +23,7 @@ from transformers import AttentionInterface, DynamicCache
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
 
 from mot_jax.export.torch_translator import KVTranslator
-from mot_jax.translate.align import align_batch
+from mot_jax.translate.align import align_batch, encode_texts
 
 ATTENTION = "mot_replay"
 _replay = None  # the injection of the replay that is running (layer -> translated K/V, sparse masks)
@@ -108,13 +108,8 @@ class CachePipeline:
     def from_text(self, texts):
         """(DynamicCache, target ids [B, T], mask [B, T]) of right-padded contexts (the target tokenizer's own
         special tokens, e.g. a BOS, as mot_jax's CacheTranslator)."""
-        encoded = [self.target_tokenizer.encode(t) for t in texts]
-        encoded = [e.ids if hasattr(e, "ids") else e for e in encoded]
-        ids = np.zeros((len(encoded), max(map(len, encoded))), np.int64)
-        mask = np.zeros(ids.shape, bool)
-        for row, e in enumerate(encoded):
-            ids[row, : len(e)], mask[row, : len(e)] = e, True
-        return self.from_target_ids(ids, mask), torch.as_tensor(ids), torch.as_tensor(mask)
+        ids, mask = encode_texts(self.target_tokenizer, texts)
+        return self.from_target_ids(ids, mask), torch.as_tensor(ids, dtype=torch.long), torch.as_tensor(mask)
 
     @torch.no_grad()
     def from_target_ids(self, target_ids, target_mask):

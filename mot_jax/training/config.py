@@ -90,6 +90,7 @@ TINY_TRANSLATOR = dict(dim=32, heads=2, depth=1, mlp_ratio=2)
 def tiny(c: ml_collections.ConfigDict, source: str, target: str) -> ml_collections.ConfigDict:
     """Shrink a config to a seconds-long CPU run on tiny random models of the given families."""
     c.source, c.target = f"random:{source}", f"random:{target}"
+    c.data.corpus = "docs_prose"  # offline, whatever corpus the full run reads
     c.data.total_tokens, c.data.prefix_tokens, c.data.source_length = 32, 16, 48
     c.translator.update(TINY_TRANSLATOR)
     c.translator.k_attn, c.translator.dense_bottom = 4, 1

@@ -385,7 +385,7 @@ def train_and_evaluate(config, workdir) -> dict:
     accum = config.grad_accum
     tokens_per_step = config.batch_size * accum * config.data.total_tokens
     logger = Logger(workdir, config.steps, start, tokens_per_step, config.log_every)
-    began, last_saved = time.perf_counter(), start
+    began, last_saved, last_validation = time.perf_counter(), start, None
 
     def meta_at(step):
         return dict(
@@ -394,7 +394,7 @@ def train_and_evaluate(config, workdir) -> dict:
         )  # fmt: skip
 
     def on_step(step, metrics, seconds):
-        nonlocal best, last_saved
+        nonlocal best, last_saved, last_validation
         logger.step(step, metrics, seconds, float(trainer.schedule(step - 1)))
         last = step == config.steps
         improved = False
@@ -402,7 +402,7 @@ def train_and_evaluate(config, workdir) -> dict:
             val = trainer.evaluate(validation)
             logger.scalars(step, val, "validation")
             logging.info("step %d: validation loss %.4f (ce %.4f)", step, val["loss"], val["ce"])
-            improved, best = val["loss"] < best, min(best, val["loss"])
+            improved, best, last_validation = val["loss"] < best, min(best, val["loss"]), val
         if step % config.checkpoint_every == 0 or last:
             checkpoints.save(step, trainer.state, meta_at(step), best=improved)
             last_saved = step
@@ -422,7 +422,7 @@ def train_and_evaluate(config, workdir) -> dict:
     summary = dict(
         steps=config.steps,
         seconds=round(time.perf_counter() - began, 1),
-        final_validation=trainer.evaluate(validation),
+        final_validation=last_validation or trainer.evaluate(validation),  # the last step is always validated
         initial_validation=initial,
         held_out=results,
         channel_map=json.loads(channel_map.to_json()),

@@ -68,6 +68,16 @@ def adapter(tokenizer) -> TokenizerAdapter:
     return tokenizer if isinstance(tokenizer, TokenizerAdapter) else TokenizerAdapter(tokenizer)
 
 
+def encode_texts(tokenizer, texts):
+    """Right-padded target ids [B, T] and mask of texts, with the tokenizer's own special tokens (e.g. a BOS)."""
+    encoded = [e.ids for e in adapter(tokenizer).backend.encode_batch(list(texts))]
+    ids = np.zeros((len(encoded), max(map(len, encoded))), np.int32)
+    mask = np.zeros(ids.shape, bool)
+    for row, e in enumerate(encoded):
+        ids[row, : len(e)], mask[row, : len(e)] = e, True
+    return ids, mask
+
+
 def _lcp(text: str, text_u32: np.ndarray, prefix: str) -> int:
     """Length of the longest common prefix of `text` and `prefix`."""
     if text.startswith(prefix):

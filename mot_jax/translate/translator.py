@@ -172,16 +172,6 @@ def _translate_jit(translator, source, target, source_cache, alignment, target_i
                      capacity)  # fmt: skip
 
 
-def encode_texts(tokenizer, texts):
-    """Right-padded target ids [B, T] and mask of texts, with the tokenizer's own special tokens (e.g. a BOS)."""
-    encoded = [e.ids for e in alignment_lib.adapter(tokenizer).backend.encode_batch(list(texts))]
-    ids = np.zeros((len(encoded), max(map(len, encoded))), np.int32)
-    mask = np.zeros(ids.shape, bool)
-    for row, e in enumerate(encoded):
-        ids[row, : len(e)], mask[row, : len(e)] = e, True
-    return ids, mask
-
-
 class CacheTranslator:
     """Turns source text (or a source cache) into a target cache ready for the target's generation, for a batch.
 
@@ -198,7 +188,7 @@ class CacheTranslator:
         """(target cache, target ids [B, T], target mask [B, T]) for a batch of context texts."""
         if not texts or any(not t.strip() for t in texts):
             raise MotJaxError("Every context text must be non-empty; drop empty examples before translating.")
-        ids, mask = encode_texts(self.target_tokenizer, texts)
+        ids, mask = alignment_lib.encode_texts(self.target_tokenizer, texts)
         return self.from_target_ids(ids, mask, capacity), ids, mask
 
     def from_target_ids(self, target_ids, target_mask, capacity=None):
