@@ -189,6 +189,27 @@ def test_translate_window_matches(case, models, contexts, tmp_path):
     assert max(diffs.values()) < ATOL, diffs
 
 
+@pytest.mark.parametrize(
+    "src, tgt, mode, rotary, act",
+    [("llama", "gemma3", "direct", True, "none"), ("gemma3", "llama", "replay", False, "gelu")],
+)
+def test_projector_window_matches(src, tgt, mode, rotary, act, models, contexts, tmp_path):
+    """The C2C-Project baseline (kind="projector") exports as per-layer MLPs with the same window translation."""
+    source, target = models[src][0], models[tgt][0]
+    cache, alignment, mask = contexts[src, tgt]
+    jt = make(source, target, mode, rotary, kind="projector", output_activation=act, seed=11)
+    k_jax, v_jax, _ = window_jax(jt, source, target, cache, alignment, jnp.asarray(mask))
+    tt = roundtrip(jt, source, target, tmp_path)
+    assert isinstance(tt.key, torch_translator.Projector) and tt.config.kind == "projector"
+    with torch.no_grad():
+        k_t, v_t = tt.translate_window(torch.tensor(np.asarray(cache.k)), torch.tensor(np.asarray(cache.v)),
+                                       np.array(alignment.weights), mask,
+                                       source_positions=torch.tensor(np.asarray(cache.positions)))  # fmt: skip
+    diffs = {"k": max_diff(k_jax, k_t), "v": max_diff(v_jax, v_t)}
+    print(f"\n[projector-{mode}] max |jax - torch|: " + ", ".join(f"{k} {v:.2e}" for k, v in diffs.items()))
+    assert max(diffs.values()) < ATOL, diffs
+
+
 @pytest.fixture(scope="module")
 def exported(models, tmp_path_factory):
     source, target = models["llama"][0], models["gemma3"][0]

@@ -14,7 +14,8 @@ translated K and V of the window's target layers (`config.target_layers`), each 
 
 Every parameter keeps the JAX layout and name: leading [expert] or [expert, block] axes, Linear kernels [in, out].
 Each expert runs on every token (dense); for a translator trained with sparse dispatch, the tokens that the JAX
-sparse path drops (over an expert's capacity) are dropped here too, so both dispatches match exactly.
+sparse path drops (over an expert's capacity) are dropped here too, so both dispatches match exactly. A translator
+of `kind="projector"` (the C2C-Project baseline) holds a `Projector` per K and V instead of a `Mixture`.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class TorchTranslatorConfig:
     target_head_dim: int
     source_rotary: bool = False  # the source model uses RoPE
     target_rotary: bool = False
+    kind: str = "mot"  # "mot" (a Mixture per K and V) | "projector" (a Projector per K and V)
     dim: int = 1024
     heads: int = 16
     depth: int = 2
@@ -71,11 +73,13 @@ class TorchTranslatorConfig:
     def __post_init__(self):
         for name in ("source_layers", "target_layers", "layer_map"):
             object.__setattr__(self, name, tuple(int(i) for i in getattr(self, name)))
+        mot = self.kind == "mot"  # a projector reads none of the mixture's fields
         checks = [
-            (1 <= self.top_k <= self.num_experts, f"top_k={self.top_k} must be in 1..num_experts={self.num_experts}"),
-            (self.dispatch in ("dense", "sparse"), f"dispatch={self.dispatch!r} must be 'dense' or 'sparse'"),
+            (self.kind in ("mot", "projector"), f"kind={self.kind!r} must be 'mot' or 'projector'"),
+            (not mot or 1 <= self.top_k <= self.num_experts, f"top_k={self.top_k} must be in 1..num_experts"),
+            (not mot or self.dispatch in ("dense", "sparse"), f"dispatch={self.dispatch!r} must be dense or sparse"),
             (self.output_activation in ("gelu", "none"), f"output_activation={self.output_activation!r} is unknown"),
-            (self.dim % self.heads == 0, f"dim={self.dim} must be divisible by heads={self.heads}"),
+            (not mot or self.dim % self.heads == 0, f"dim={self.dim} must be divisible by heads={self.heads}"),
             (not self.rotary or self.output_activation == "none", "rotary=true needs output_activation='none'"),
             (
                 len(self.source_layers) == len(self.target_layers) == self.window,
@@ -301,6 +305,25 @@ class Mixture(nn.Module):
         return torch.einsum("btn,nbtwd->btwd", weights.to(out.dtype), out)
 
 
+class Projector(nn.Module):
+    """The C2C-Project baseline (JAX: `mot_jax.translate.projector`): per window layer, on every token,
+    LayerNorm -> Linear(ds -> max(dim, dt)) -> GELU -> Linear(-> dt); parameters [W, ...]."""
+
+    def __init__(self, cfg: TorchTranslatorConfig):
+        super().__init__()
+        self.cfg = cfg
+        w, hidden = cfg.window, max(cfg.dim, cfg.target_width)
+        self.norm = LayerNorm(w, cfg.source_width)
+        self.hidden = Linear(w, din=cfg.source_width, dout=hidden)
+        self.out = Linear(w, din=hidden, dout=cfg.target_width)
+
+    def forward(self, x, token_mask=None):
+        """x [B, T, W, ds] -> y [B, T, W, dt]; every token is projected on its own (`token_mask` is unused)."""
+        per_layer = lambda a, m: torch.einsum("btwi,wio->btwo", a, m.kernel) + m.bias
+        y = per_layer(gelu(per_layer(layer_norm(x, self.norm.scale, self.norm.bias, False), self.hidden)), self.out)
+        return gelu(y) if self.cfg.output_activation == "gelu" else y
+
+
 class Rope(nn.Module):
     """Per-layer RoPE inverse frequencies of the source [Ls, ds/2] and target [Lt, dt/2] models (buffers)."""
 
@@ -325,13 +348,14 @@ def target_positions(mask):
 
 
 class KVTranslator(nn.Module):
-    """A K mixture and a V mixture (`key`, `value`) and, for rotary translators, the RoPE tables (`rope`)."""
+    """A K and a V mixture or projector (`key`, `value`) and, for rotary translators, the RoPE tables (`rope`)."""
 
     def __init__(self, config: TorchTranslatorConfig | dict):
         super().__init__()
         cfg = config if isinstance(config, TorchTranslatorConfig) else TorchTranslatorConfig.from_dict(config)
         self.config = cfg
-        self.key, self.value = Mixture(cfg), Mixture(cfg)
+        module = Projector if cfg.kind == "projector" else Mixture
+        self.key, self.value = module(cfg), module(cfg)
         self.rope = Rope(cfg) if cfg.apply_rotary else None
 
     @classmethod
@@ -380,7 +404,7 @@ class KVTranslator(nn.Module):
 
     @property
     def dtype(self):
-        return self.key.experts.input_proj.kernel.dtype
+        return next(self.key.parameters()).dtype
 
     def _stack(self, cache, name):
         """Per-layer list of [B, K, S, d] or stacked [L, B, K, S, d] -> the window's layers [B, S, W, K, d]."""
@@ -457,4 +481,4 @@ def load(folder, device="cpu", dtype=torch.float32) -> KVTranslator:
     return KVTranslator.from_pretrained(folder, device=device, dtype=dtype)
 
 
-__all__ = ["KVTranslator", "Mixture", "Experts", "Router", "TorchTranslatorConfig", "load", "apply_rope"]
+__all__ = ["KVTranslator", "Mixture", "Experts", "Router", "Projector", "TorchTranslatorConfig", "load", "apply_rope"]

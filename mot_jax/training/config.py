@@ -37,6 +37,10 @@ def base() -> ml_collections.ConfigDict:
     c.translator.channels.target_layers = ()
     c.translator.channels.search_steps = 128  # proxy training steps per candidate window (N=1 translator)
     c.translator.channels.search_eval_batches = 4
+    # mot (the mixture of translators) | projector (the C2C-Project baseline: per window layer, LN -> Linear ->
+    # GELU -> Linear on every token, hidden width max(dim, target width); reads only dim and output_activation,
+    # and the reference's c2c-pr has output_activation="none"; mode="direct" projects every target layer)
+    c.translator.kind = "mot"
     c.translator.dim = 1024
     c.translator.heads = 16
     c.translator.depth = 2

@@ -288,7 +288,12 @@ def resolve_channels(config, pair, datasets, mesh, workdir) -> channels.ChannelM
     )  # fmt: skip
 
 
+# TranslatorConfig fields added after runs were saved, with the value those runs had, so that they still resume
+ADDED_TRANSLATOR_FIELDS = {"kind": "mot"}
+
+
 def check_identity(saved: dict, current: dict, workdir: epath.Path):
+    saved = saved | {"translator": ADDED_TRANSLATOR_FIELDS | saved.get("translator", {})}
     differ = sorted(k for k in current if saved.get(k) != current[k])
     if differ:
         raise MotJaxError(

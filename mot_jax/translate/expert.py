@@ -24,12 +24,16 @@ EPS = 1e-5
 
 @dataclasses.dataclass(frozen=True)
 class TranslatorConfig:
-    """Shape and switches of one K or V mixture. Paper defaults: dim 1024, 16 heads, depth 2, mlp_ratio 4, N=2, k=1."""
+    """Shape and switches of one K or V mixture. Paper defaults: dim 1024, 16 heads, depth 2, mlp_ratio 4, N=2, k=1.
+
+    A projector (`kind="projector"`) reads only the widths, window, `dim` and `output_activation`.
+    """
 
     source_width: int  # source kv_heads * head_dim
     target_width: int  # target kv_heads * head_dim
     window: int  # W: window layers translated together
-    dim: int = 1024
+    kind: str = "mot"  # "mot" (the mixture) | "projector" (the C2C-Project baseline, translate/projector.py)
+    dim: int = 1024  # projector: the hidden width is max(dim, target_width)
     heads: int = 16
     depth: int = 2  # R stages of W un-shared cross-attention blocks
     mlp_ratio: int = 4

@@ -6,7 +6,7 @@
   (channel-map interpolation) and tokenizers (hard alignment maps), the bottom layers dense.
 - `direct`: the window is every target layer; the translated K/V are the cache, the target never reads the context.
 
-`KVTranslator` holds the trainable parameters (a K mixture and a V mixture); `translate` is the jittable function
+`KVTranslator` holds the trainable parameters (a K and a V mixture, or projector); `translate` is the jittable function
 that training and evaluation share; `CacheTranslator` is the user-facing object that starts from text.
 """
 
@@ -28,8 +28,10 @@ from mot_jax.translate import align as alignment_lib
 from mot_jax.translate import channels
 from mot_jax.translate.expert import TranslatorConfig
 from mot_jax.translate.mixture import MixtureOfTranslators
+from mot_jax.translate.projector import Projector
 
 MODES = ("replay", "direct")
+KINDS = {"mot": MixtureOfTranslators, "projector": Projector}  # TranslatorConfig.kind -> the K and V module
 alignment_lib.register_pytree()  # alignments enter jitted code here
 
 
@@ -72,14 +74,16 @@ def mixture_config(spec: TranslationSpec, source: CausalLM, target: CausalLM, **
 
 
 class KVTranslator(nnx.Module):
-    """Separate mixtures for K and V, as the paper."""
+    """Separate mixtures for K and V, as the paper (or, `cfg.kind="projector"`, the C2C-Project baseline's MLPs)."""
 
     def __init__(self, spec: TranslationSpec, cfg: TranslatorConfig, *, rngs, dtype=jnp.float32):
         if spec.rotary and cfg.output_activation != "none":
             raise MotJaxError("rotary=True needs output_activation='none' (rotated keys take any sign).")
+        if cfg.kind not in KINDS:
+            raise MotJaxError(f"Unknown translator kind {cfg.kind!r}; use one of {', '.join(KINDS)}.")
         self.spec, self.cfg = spec, cfg
-        self.key = MixtureOfTranslators(cfg, rngs=rngs, dtype=dtype)
-        self.value = MixtureOfTranslators(cfg, rngs=rngs, dtype=dtype)
+        self.key = KINDS[cfg.kind](cfg, rngs=rngs, dtype=dtype)
+        self.value = KINDS[cfg.kind](cfg, rngs=rngs, dtype=dtype)
 
 
 def rope_or_none(model: CausalLM):
