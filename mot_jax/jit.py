@@ -32,10 +32,20 @@ def jit(fn=None, *, static_argnames=(), donate_argnums=()):
         args = [a if g is None else nnx.merge(g, s) for g, s, a in zip(graphdefs, states, rest)]
         return fn(*args, **kwargs)
 
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
+    def pure_args(args):
         split = [nnx.split(a) if isinstance(a, nnx.Module) else (None, None) for a in args]
         rest = [None if isinstance(a, nnx.Module) else a for a in args]
-        return pure(tuple(s for _, s in split), *rest, graphdefs=tuple(g for g, _ in split), **kwargs)
+        return (tuple(s for _, s in split), *rest), tuple(g for g, _ in split)
 
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        args, graphdefs = pure_args(args)
+        return pure(*args, graphdefs=graphdefs, **kwargs)
+
+    def lower(*args, **kwargs):
+        """`jax.jit(...).lower` for these arguments (e.g. `.compile().memory_analysis()` for XLA's memory plan)."""
+        args, graphdefs = pure_args(args)
+        return pure.lower(*args, graphdefs=graphdefs, **kwargs)
+
+    wrapper.lower = lower
     return wrapper

@@ -34,6 +34,7 @@ def test_exact_match_and_f1_take_the_best_gold():
 
 def test_first_line_cuts_at_the_newline():
     assert first_line("  Paris\nQuestion: next") == "Paris"
+    assert first_line("Paris Question: and Rome?") == "Paris" and first_line("Rome\r\nx") == "Rome"
 
 
 @pytest.mark.parametrize(

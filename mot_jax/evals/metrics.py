@@ -40,9 +40,12 @@ def f1(prediction: str, golds) -> float:
     return max(_f1(prediction, g) for g in golds)
 
 
+_CUT = re.compile(r"[\r\n]|Question:|Context:|Answer:|Passage:")
+
+
 def first_line(generation: str) -> str:
-    """The answer part of a generation: up to the first newline (the evaluation protocol's cut)."""
-    return generation.strip().split("\n", 1)[0].strip()
+    """The answer part of a generation: up to the first line break or prompt marker (the protocol's cut)."""
+    return _CUT.split(generation.strip(), 1)[0].strip()
 
 
 def match_choice(generation: str, choices) -> int | None:

@@ -6,17 +6,23 @@ Every example is a dict in the documented JSONL schemas:
 
 - extractive: {"context", "question", "answers": [..]} (the answer is a span of the context);
 - closed-set: {"context", "question", "choices": [..], "answer"} (yes/no or four options, the answer's position
-  drawn at random so no position is favoured).
+  drawn at random so no position is favoured);
+- long_context: the extractive schema, the target passage at a random position among many distractor paragraphs
+  (blank-line separated), to measure how translation holds up over a long prefix;
+- multi_agent: {"context", "questions": [..], "answers": [[..], ..]}, several questions about distinct
+  (entity, fact) pairs of one document, one per agent sharing that document's cache.
 
 `examples(task, n, seed, distractors)` gives the same list for the same arguments on every machine (numpy's
-PCG64 with the seed and the example index).
+PCG64 with the seed, the example index and the task). First names are unique within a context (the passages
+refer to people by first name), so no question has two right answers.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-TASKS = ("extractive_qa", "closed_qa")
+TASKS = ("extractive_qa", "closed_qa", "long_context", "multi_agent")  # order fixes the seeds
+DISTRACTORS = {"extractive_qa": 2, "closed_qa": 2, "long_context": 24, "multi_agent": 4}  # defaults per task
 _ONSETS = ["b", "br", "d", "f", "g", "k", "l", "m", "n", "p", "qu", "r", "s", "t", "th", "v", "z", "c", "h", "j"]
 _VOWELS = ["a", "e", "i", "o", "u", "ae", "ia", "ou"]
 _CODAS = ["", "n", "r", "l", "s", "th", "m", "x", "nd", "rk"]
@@ -43,6 +49,18 @@ def _entity(rng) -> dict:
     )
 
 
+def _entities(rng, count: int) -> list[dict]:
+    """`count` entities with distinct first names (a clash redraws, so without one the draws are unchanged)."""
+    out, firsts = [], set()
+    while len(out) < count:
+        e = _entity(rng)
+        first = e["person"].split()[0]
+        if first not in firsts:
+            firsts.add(first)
+            out.append(e)
+    return out
+
+
 def _a(noun: str) -> str:
     return f"{'an' if noun[0] in 'aeiou' else 'a'} {noun}"
 
@@ -65,22 +83,39 @@ _QUESTIONS = {
 }
 
 
-def examples(task: str, n: int, seed: int = 0, distractors: int = 2) -> list[dict]:
-    """`n` examples of `task` ("extractive_qa" or "closed_qa"); each context holds the target entity's passage
-    among `distractors` passages about other invented entities, in a random order."""
+def examples(
+    task: str, n: int, seed: int = 0, distractors: int | None = None, questions_per_example: int = 3
+) -> list[dict]:
+    """`n` examples of `task` (one of TASKS); each context holds the target entity's passage among `distractors`
+    passages about other invented entities (default DISTRACTORS[task]), in a random order. multi_agent asks
+    `questions_per_example` questions about distinct (entity, field) pairs of its `distractors + 1` entities."""
     if task not in TASKS:
         raise ValueError(f"Unknown task {task!r}; use one of {', '.join(TASKS)}.")
+    distractors = DISTRACTORS[task] if distractors is None else distractors
+    fields = sorted(_QUESTIONS)
+    if distractors < 0:
+        raise ValueError(f"distractors must be 0 or more, not {distractors}.")
+    if task == "multi_agent" and not 0 < questions_per_example <= (distractors + 1) * len(fields):
+        raise ValueError(
+            f"questions_per_example must be 1..{(distractors + 1) * len(fields)}, not {questions_per_example}."
+        )
     out = []
     for index in range(n):
         rng = np.random.default_rng([seed, index, TASKS.index(task)])
-        entities = [_entity(rng) for _ in range(distractors + 1)]
+        entities = _entities(rng, distractors + 1)
         target = entities[0]
         order = rng.permutation(len(entities))
-        context = " ".join(_passage(entities[i]) for i in order)
-        field = sorted(_QUESTIONS)[int(rng.integers(len(_QUESTIONS)))]
+        context = ("\n\n" if task == "long_context" else " ").join(_passage(entities[i]) for i in order)
+        if task == "multi_agent":
+            pairs = rng.choice(len(entities) * len(fields), size=questions_per_example, replace=False)
+            asked = [(entities[p // len(fields)], fields[p % len(fields)]) for p in pairs.tolist()]
+            questions = [_QUESTIONS[field][0].format(**e) for e, field in asked]
+            out.append(dict(context=context, questions=questions, answers=[[str(e[field])] for e, field in asked]))
+            continue
+        field = fields[int(rng.integers(len(_QUESTIONS)))]
         question, yes_no = _QUESTIONS[field]
         answer = str(target[field])
-        if task == "extractive_qa":
+        if task in ("extractive_qa", "long_context"):
             out.append(dict(context=context, question=question.format(**target), answers=[answer]))
         elif rng.random() < 0.5:  # yes / no about the true value or another invented one
             truth, claimed = bool(rng.random() < 0.5), answer

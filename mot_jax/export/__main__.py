@@ -1,18 +1,17 @@
 """Export a trained translator for PyTorch: `python -m mot_jax.export --workdir=DIR --out=OUT [--which=last|best]`.
 
-OUT gets `model.safetensors` (the experts, routers and RoPE tables; no pickle) and `config.json` (the translator's
-shape, channel map and mode, and the training run's model names and alignment settings). Load it with
+OUT gets `model.safetensors` (the experts and routers or the projector MLPs, and RoPE tables; no pickle) and
+`config.json` (the translator's shape, channel map and mode, and the training run's model names and alignment
+settings). Load it with
 `mot_jax.export.torch_translator.KVTranslator.from_pretrained(OUT)` (torch only); `mot_jax.export.torch_pipeline`
 drives transformers models with it.
 """
 
 from __future__ import annotations
 
-import sys
-
 from absl import app, flags, logging
 
-from mot_jax.errors import MotJaxError
+from mot_jax.cli import run_or_exit
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Training workdir holding a finished checkpoint.")
 _OUT = flags.DEFINE_string("out", None, "Output folder (replaced if it exists).")
@@ -37,11 +36,7 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
     logging.set_verbosity(logging.WARNING)  # Orbax reports every read at INFO
-    try:
-        out, trained = export_workdir(_WORKDIR.value, _OUT.value, _WHICH.value)
-    except MotJaxError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    out, trained = run_or_exit(export_workdir, _WORKDIR.value, _OUT.value, _WHICH.value)
     print(f"exported the translator of step {trained.step} ({trained.config.source} -> {trained.config.target}, "
           f"{trained.translator.spec.mode}) to {out}")  # fmt: skip
 

@@ -252,14 +252,12 @@ def decode_step(model, tokens, cache):
     return logits[:, -1], cache
 
 
-@jit(static_argnames=("max_new_tokens", "eos_ids"))
-def generate(model, input_ids, attention_mask=None, *, max_new_tokens, eos_ids=None):
-    """Greedy decoding as one program: prefill into a preallocated cache, then a scan of single-token steps.
+def greedy_continue(model, logits, cache, max_new_tokens, eos_ids=None):
+    """Greedy decoding from the logits of each row's last token and the cache holding its prompt: [B, n] ids.
 
-    Returns [B, max_new_tokens] token ids; after a row emits an end-of-sequence token (`eos_ids`, a tuple,
-    default the config's; `()` never stops) it repeats that token.
+    After a row emits an end-of-sequence token (`eos_ids`, a tuple, default the config's; `()` never stops) it
+    repeats that token. Traced: call it inside a jitted function.
     """
-    logits, cache = _prefill(model, input_ids, attention_mask, input_ids.shape[1] + max_new_tokens)
     first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     eos = jnp.asarray((model.config.eos_ids if eos_ids is None else eos_ids) or (-1,), jnp.int32)
 
@@ -274,3 +272,13 @@ def generate(model, input_ids, attention_mask=None, *, max_new_tokens, eos_ids=N
     done = jnp.zeros(first.shape, bool)
     _, rest = jax.lax.scan(step, (first, done, cache), None, length=max_new_tokens - 1)
     return jnp.concatenate([first[:, None], rest.T], axis=1)
+
+
+@jit(static_argnames=("max_new_tokens", "eos_ids"))
+def generate(model, input_ids, attention_mask=None, *, max_new_tokens, eos_ids=None):
+    """Greedy decoding as one program: prefill into a preallocated cache, then a scan of single-token steps.
+
+    Returns [B, max_new_tokens] token ids (see `greedy_continue` for the end-of-sequence rule).
+    """
+    logits, cache = _prefill(model, input_ids, attention_mask, input_ids.shape[1] + max_new_tokens)
+    return greedy_continue(model, logits, cache, max_new_tokens, eos_ids)

@@ -249,23 +249,35 @@ def identity_alignment(batch: int, length: int, mask=None) -> Alignment:
     return Alignment(weights, index, index)
 
 
+def pad_source(source_ids, source_mask, alignment: Alignment, length: int):
+    """Right-pad the source side of an aligned batch to `length` tokens (a fixed shape, so jitted code compiles
+    once per length bucket); the padding is masked and takes no alignment weight."""
+    pad = length - source_ids.shape[1]
+    if pad < 0:
+        raise MotJaxError(f"The source side holds {source_ids.shape[1]} tokens, more than length={length}.")
+    if not pad:
+        return source_ids, source_mask, alignment
+    widths = ((0, 0), (0, pad))
+    return (
+        np.pad(source_ids, widths),
+        np.pad(source_mask, widths),
+        Alignment(
+            np.pad(alignment.weights, ((0, 0), (0, 0), (0, pad))),
+            alignment.target_to_source,
+            np.pad(alignment.source_to_target, widths),
+        ),
+    )
+
+
 def _identity_batch(ids: np.ndarray, mask: np.ndarray, source_length: int | None):
     batch, length = ids.shape
-    pad = 0 if source_length is None else source_length - length
-    if pad < 0:
+    if source_length is not None and source_length < length:
         raise MotJaxError(
             f"The same-tokenizer path keeps the target grid of {length} tokens, more than source_length="
             f"{source_length}; pass source_length >= {length} or None."
         )
     result = identity_alignment(batch, length, mask)
-    ids, mask = np.pad(ids.astype(np.int32), ((0, 0), (0, pad))), np.pad(mask, ((0, 0), (0, pad)))
-    if pad:
-        result = Alignment(
-            np.pad(result.weights, ((0, 0), (0, 0), (0, pad))),
-            result.target_to_source,
-            np.pad(result.source_to_target, ((0, 0), (0, pad))),
-        )
-    return ids, mask, result
+    return pad_source(ids.astype(np.int32), mask, result, source_length or length)
 
 
 def align_batch(target_tokenizer, source_tokenizer, target_ids, target_mask, source_length: int | None = None):

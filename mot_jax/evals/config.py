@@ -1,0 +1,34 @@
+"""The evaluation config: every key with its default. `python -m mot_jax.evaluate --config.key=value` overrides
+one; a misspelt key is an error."""
+
+from __future__ import annotations
+
+import ml_collections
+
+
+def defaults() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.tasks = "extractive_qa,closed_qa,long_context,multi_agent"  # what --task does not override
+    c.data = ""  # "" = the offline synthetic sets; FILE.jsonl, NAME or NAME:PATH with one task (see evals/datasets)
+    c.data_dir = ""  # where the synthetic sets are stored; "" = the mot_jax cache
+    c.examples = 64  # per task (per budget for long_context)
+    c.seed = 0  # of the synthetic sets (invented entities: disjoint from any training text)
+    c.batch_size = 4
+    c.max_new_tokens = 32  # greedy; answers are cut at the first line break or prompt marker
+    c.methods = "no_context,native,text_relay"  # baselines run beside the trained translator(s)
+    c.relay_tokens = 96  # text_relay: most tokens of the source's summary
+    c.budgets = "128,256,512,1024"  # long_context: target tokens of context kept (the passage may be cut away)
+    c.long_distractors = 24  # long_context: invented passages around the one that answers
+    c.agents = 3  # multi_agent: questions (agents) per shared document
+    c.ttft_lengths = "256,512,1024,2048"  # latency table: context lengths in target tokens (batch 1)
+    c.ttft_runs = 3  # median of this many timed runs after a warm-up
+    c.memory = True  # XLA's memory plan per method at the longest TTFT length (compiles each program again)
+    c.which = "last"  # the checkpoint evaluated: last | best (validation loss)
+    c.dtype = ""  # LLM dtype; "" = the training run's
+    return c
+
+
+def parse_list(value, kind=str) -> list:
+    """A comma-separated config value ("a,b" or a tuple) as a list."""
+    items = value if isinstance(value, list | tuple) else str(value).split(",")
+    return [kind(str(v).strip()) for v in items if str(v).strip()]

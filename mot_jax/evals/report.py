@@ -1,0 +1,176 @@
+"""The evaluation report: results.json, results.md (the tables printed at the end), predictions.jsonl and plots
+(quality against context budget, TTFT against context length, routing load per expert), written all or nothing."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+
+from etils import epath
+
+MIB = 2**20
+
+
+def _pct(value) -> str:
+    return "-" if value is None else f"{value:.1f}%"
+
+
+def _table(header: list[str], rows: list[list]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" if i == 0 else "---:" for i in range(len(header)))]
+    lines[1] += "|"
+    return lines + ["| " + " | ".join(map(str, row)) + " |" for row in rows]
+
+
+def task_table(task: str, entry: dict) -> list[str]:
+    methods = entry["methods"]
+    if task == "multi_agent":
+        header = ["method", "F1", "retention", "context seconds / document", "target KV held (MiB)", "one shared cache"]
+        rows = [[name, f"{m['f1']:.3f}", _pct(m["retention"]), f"{m['context_seconds']:.3f}",
+                 f"{m['target_kv_bytes'] / MIB:.2f}", "yes" if m["shares_one_cache"] else "no"]
+                for name, m in methods.items()]  # fmt: skip
+        return _table(header, rows)
+    if "accuracy" in next(iter(methods.values())):
+        header = ["method", "accuracy (generation)", "retention", "unparsed", "accuracy (option likelihood)",
+                  "retention", "examples/s"]  # fmt: skip
+        rows = [[name, f"{m['accuracy']:.3f}", _pct(m["retention"]), f"{m['unparsed']:.0%}",
+                 f"{m['likelihood_accuracy']:.3f}", _pct(m["likelihood_retention"]), f"{m['examples_per_s']:.2f}"]
+                for name, m in methods.items()]  # fmt: skip
+        return _table(header, rows)
+    header = ["method", "F1", "EM", "retention", "bytes handed over", "examples/s"]
+    rows = [[name, f"{m['f1']:.3f}", f"{m['exact_match']:.3f}", _pct(m["retention"]), f"{m['handed_bytes']:,.0f}",
+             f"{m['examples_per_s']:.2f}"] for name, m in methods.items()]  # fmt: skip
+    return _table(header, rows)
+
+
+def budget_table(entry: dict) -> list[str]:
+    budgets = list(entry["budgets"])
+    names = list(entry["budgets"][budgets[0]])
+    rows = []
+    for name in names:
+        cells = [f"{entry['budgets'][b][name]['f1']:.3f} ({_pct(entry['budgets'][b][name]['retention'])})"
+                 for b in budgets]  # fmt: skip
+        rows.append([name, *cells])
+    return _table(["method", *(f"F1 at {b} tokens (retention)" for b in budgets)], rows)
+
+
+def latency_table(rows: list[dict]) -> list[str]:
+    header = ["method", "context tokens", "TTFT (ms)", "TTFT incl. source prefill (ms)", "handed over (KiB)",
+              "target KV (MiB)", "memory plan (MiB)"]  # fmt: skip
+    cells = [[r["method"], r["context_tokens"], f"{r['ttft_s'] * 1e3:.1f}", f"{r['ttft_with_source_s'] * 1e3:.1f}",
+              f"{r['handed_bytes'] / 1024:,.1f}", f"{r['target_kv_bytes'] / MIB:.2f}",
+              "-" if r["planned_bytes"] is None else f"{r['planned_bytes'] / MIB:,.0f}"] for r in rows]  # fmt: skip
+    return _table(header, cells)
+
+
+def markdown(results: dict) -> str:
+    meta = results["meta"]
+    translators = ", ".join(f"{n} (step {m['step']}, {m['workdir']})" for n, m in meta["methods"].items())
+    lines = [
+        f"# Evaluation: {meta['source']} -> {meta['target']} ({meta['dtype']})",
+        "",
+        f"Translators: {translators}. "
+        f"Data: {meta['data']}; greedy, {meta['config']['max_new_tokens']} new tokens; {meta['machine']}; "
+        f"{meta['seconds']:.0f} s. Retention = the method's score as a percentage of native context's.",
+    ]
+    for task, entry in results["tasks"].items():
+        lines += ["", f"## {task} ({entry['examples']} examples)", ""]
+        lines += budget_table(entry) if task == "long_context" else task_table(task, entry)
+    if results.get("latency"):
+        lines += ["", "## Time to first token (batch 1)", ""]
+        lines += [
+            "Building the cache (source prefill excluded / included), reading the question and the first token; "
+            "median of the timed runs. Handed over: the text for native context and relay, the source K/V the "
+            "translator reads for translated methods. Memory plan: XLA's plan of the largest program, weights "
+            "included (longest length only).",
+            "",
+        ]
+        lines += latency_table(results["latency"])
+    if results.get("routing"):
+        lines += ["", "## Routing (tokens per expert over the evaluation contexts)", ""]
+        for name, parts in results["routing"].items():
+            for part, load in parts.items():
+                total = sum(load) or 1
+                lines.append(f"- {name}, {part}: " + ", ".join(f"{x / total:.1%}" for x in load))
+    return "\n".join(lines) + "\n"
+
+
+def split_predictions(results: dict):
+    """(results without per-example predictions, prediction rows)."""
+    results, rows = copy.deepcopy(results), []
+    for task, entry in results["tasks"].items():
+        groups = [(None, entry["methods"])] if "methods" in entry else list(entry["budgets"].items())
+        for budget, methods in groups:
+            for name, scores in methods.items():
+                for index, prediction in enumerate(scores.pop("predictions", [])):
+                    rows.append(dict(task=task, budget=budget, method=name, index=index, **prediction))
+    return results, rows
+
+
+def plots(results: dict, folder: epath.Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    entry = results["tasks"].get("long_context")
+    if entry:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        budgets = [int(b) for b in entry["budgets"]]
+        for name in entry["budgets"][str(budgets[0])]:
+            ax.plot(budgets, [entry["budgets"][str(b)][name]["f1"] for b in budgets], marker="o", label=name)
+        ax.set(xscale="log", xlabel="context budget (target tokens)", ylabel="F1", title="Quality against budget")
+        ax.legend(fontsize=8)
+        written.append(_save(fig, folder / "quality_vs_budget.png"))
+    if results.get("latency"):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for name in dict.fromkeys(r["method"] for r in results["latency"]):
+            rows = [r for r in results["latency"] if r["method"] == name]
+            line = ax.plot([r["context_tokens"] for r in rows], [r["ttft_s"] * 1e3 for r in rows], marker="o",
+                           label=name)  # fmt: skip
+            if any(r["ttft_with_source_s"] != r["ttft_s"] for r in rows):
+                ax.plot([r["context_tokens"] for r in rows], [r["ttft_with_source_s"] * 1e3 for r in rows], ls="--",
+                        color=line[0].get_color(), label=f"{name} + source prefill")  # fmt: skip
+        ax.set(xscale="log", yscale="log", xlabel="context tokens", ylabel="TTFT (ms)", title="Time to first token")
+        ax.legend(fontsize=8)
+        written.append(_save(fig, folder / "ttft_vs_length.png"))
+    if results.get("routing"):
+        bars = [(f"{name}\n{part}", load) for name, parts in results["routing"].items() for part, load in parts.items()]
+        fig, ax = plt.subplots(figsize=(6, 4))
+        width = 0.8 / max(len(load) for _, load in bars)
+        for expert in range(max(len(load) for _, load in bars)):
+            shares = [load[expert] / (sum(load) or 1) if expert < len(load) else 0 for _, load in bars]
+            ax.bar([i + expert * width for i in range(len(bars))], shares, width, label=f"expert {expert}")
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(bars))], [label for label, _ in bars], fontsize=7)
+        ax.set(ylabel="share of tokens", title="Routing load per expert")
+        ax.legend(fontsize=8)
+        written.append(_save(fig, folder / "routing_load.png"))
+    return written
+
+
+def _save(fig, path) -> str:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(str(path), dpi=120)
+    plt.close(fig)
+    return path.name
+
+
+def write(out, results: dict) -> None:
+    """Write the report into `out` (a folder), replacing an earlier one only once every file is written."""
+    out = epath.Path(out)
+    partial = out.parent / f".{out.name}.{os.getpid()}.partial"
+    if partial.exists():
+        shutil.rmtree(partial)
+    partial.mkdir(parents=True)
+    clean, rows = split_predictions(results)
+    clean["plots"] = plots(clean, partial)
+    (partial / "results.json").write_text(json.dumps(clean, indent=2))
+    (partial / "results.md").write_text(markdown(clean))
+    (partial / "predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if out.exists():
+        shutil.rmtree(out)
+    partial.rename(out)

@@ -1,0 +1,140 @@
+"""One evaluation run: the trained translator(s) and the baselines on the same examples, then the report.
+
+`evaluate(workdir, config, compare=(), out=None)` is what `python -m mot_jax.evaluate` calls and tests call directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import platform
+import time
+
+import jax
+import ml_collections
+from absl import logging
+
+from mot_jax.errors import MotJaxError
+from mot_jax.evals import datasets, engine, report, synthetic
+from mot_jax.evals.config import parse_list
+from mot_jax.training.loop import as_path, load_pair
+from mot_jax.training.trained import load_trained
+
+TASKS = datasets.TASKS
+
+
+def trained_methods(workdirs, which: str):
+    """Translated methods from training workdirs (the same model pair), named from their configs."""
+    methods, pair = [], None
+    for workdir in workdirs:
+        trained = load_trained(workdir, which)
+        names = (trained.config.source, trained.config.target)
+        if pair is not None and names != pair:
+            raise MotJaxError(
+                f"{workdir} translates {names[0]} -> {names[1]}, not {pair[0]} -> {pair[1]} as {workdirs[0]}; "
+                "compare runs of one model pair."
+            )
+        pair = names
+        name = engine.method_name(trained.config)
+        if any(m.name == name for m in methods):
+            name = f"{name} [{as_path(workdir).name}]"
+        methods.append(engine.Translated(name, trained.translator, str(workdir), trained.step))
+    return methods, trained.config
+
+
+def baseline_methods(config) -> list:
+    names = parse_list(config.methods)
+    unknown = sorted(set(names) - set(engine.BASELINES))
+    if unknown:
+        raise MotJaxError(f"Unknown method {unknown[0]!r} in methods; use some of {', '.join(engine.BASELINES)}.")
+    make = dict(no_context=engine.NoContext, native=engine.Native, text_relay=lambda: engine.TextRelay(
+        config.relay_tokens))  # fmt: skip
+    return [make[name]() for name in engine.BASELINES if name in names]
+
+
+def progress(task: str, began: float):
+    def report_progress(done: int, total: int):
+        seconds = time.perf_counter() - began
+        eta = seconds / done * (total - done)
+        logging.info("%s: %d/%d examples, %.0f s, about %.0f s left", task, done, total, seconds, eta)
+
+    return report_progress
+
+
+def evaluate(workdir, config: ml_collections.ConfigDict, compare=(), out=None) -> dict:
+    """Evaluate the translator in `workdir` (and those in `compare`) with the baselines on `config`'s tasks; writes
+    results.json, results.md, predictions.jsonl and plots to `out` (default WORKDIR/eval) and returns the results."""
+    began = time.perf_counter()
+    tasks = parse_list(config.tasks)
+    unknown = sorted(set(tasks) - set(TASKS))
+    if unknown or not tasks:
+        raise MotJaxError(f"Unknown task {(unknown or [''])[0]!r}; use some of {', '.join(TASKS)}.")
+    if config.data and len(tasks) != 1:
+        raise MotJaxError(f"data={config.data!r} holds one task's examples; pass --task with it.")
+    budgets, lengths = parse_list(config.budgets, int), parse_list(config.ttft_lengths, int)
+    translated, train_config = trained_methods([str(workdir), *map(str, compare)], config.which)
+    methods = baseline_methods(config) + translated
+    pair_config = ml_collections.ConfigDict(dict(source=train_config.source, target=train_config.target,
+                                                 dtype=config.dtype or train_config.dtype))  # fmt: skip
+    models = load_pair(pair_config)
+    settings = engine.Settings(config.batch_size, config.max_new_tokens)
+    results = dict(tasks={}, routing={})
+
+    def examples(task, **options):
+        return datasets.load_examples(
+            task, config.data, config.examples, config.seed, config.data_dir, **({} if config.data else options)
+        )
+
+    for task in tasks:
+        logging.info("Evaluating %s on %s with %s", task, config.data or "the synthetic set", ", ".join(
+            m.name for m in methods))  # fmt: skip
+        watch = progress(task, time.perf_counter())
+        if task == "multi_agent":
+            documents = examples(task, questions_per_example=config.agents)
+            scores = engine.evaluate_agents(models, methods, documents, settings, watch)
+            results["tasks"][task] = dict(examples=len(documents), methods=scores)
+        elif task == "long_context":
+            items, by_budget = examples(task, distractors=config.long_distractors), {}
+            for budget in budgets:
+                run = dataclasses.replace(settings, budget=budget)
+                watch = progress(f"{task} at {budget} tokens", time.perf_counter())
+                scores = engine.evaluate_examples(models, methods, items, run, watch)
+                by_budget[str(budget)] = engine.add_retention(scores, "f1")
+            results["tasks"][task] = dict(examples=len(items), budgets=by_budget)
+        else:
+            items = examples(task)
+            scores = engine.evaluate_examples(models, methods, items, settings, watch)
+            if engine.is_closed(items):
+                engine.add_retention(scores, "likelihood_accuracy", "likelihood_retention")
+            metric = "accuracy" if engine.is_closed(items) else "f1"
+            results["tasks"][task] = dict(examples=len(items), methods=engine.add_retention(scores, metric))
+    if lengths:
+        limit = models.target.config.max_positions - 64 - config.max_new_tokens
+        fitting = [n for n in lengths if n <= limit]
+        if len(fitting) < len(lengths):
+            logging.warning("TTFT lengths above %d do not fit the target model; skipped.", limit)
+        passages = max(fitting, default=0) // 16 + 4  # more text than the longest length needs
+        example = synthetic.examples("long_context", 1, config.seed, distractors=passages)[0]
+        logging.info("Timing TTFT at %s context tokens", ", ".join(map(str, fitting)))
+        results["latency"] = engine.latency(models, methods, example, fitting, settings, config.ttft_runs,
+                                            config.memory)  # fmt: skip
+    for method in translated:
+        if method.load:
+            results["routing"][method.name] = {part: load.tolist() for part, load in method.load.items()}
+    results["meta"] = dict(
+        workdir=str(workdir),
+        methods={m.name: dict(workdir=m.workdir, step=m.step) for m in translated},
+        source=pair_config.source,
+        target=pair_config.target,
+        dtype=pair_config.dtype,
+        data=config.data or "synthetic",
+        config=config.to_dict(),
+        machine=f"{platform.machine()}, {os.cpu_count()} cores, jax {jax.__version__} ({jax.default_backend()})",
+        peak_device_bytes=(jax.local_devices()[0].memory_stats() or {}).get("peak_bytes_in_use"),
+        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        seconds=round(time.perf_counter() - began, 1),
+    )
+    out = as_path(out or as_path(workdir) / "eval")
+    report.write(out, results)
+    return results

@@ -1,0 +1,180 @@
+"""The evaluation engine against independent computations, the report files, and `python -m mot_jax.evaluate`."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from mot_jax.errors import MotJaxError
+from mot_jax.evals import engine, report, run, synthetic
+from mot_jax.evals.config import defaults
+from mot_jax.models.base import generate
+from mot_jax.training import loop
+from mot_jax.training.config import base, tiny
+from mot_jax.translate.translator import KVTranslator, TranslationSpec, mixture_config
+
+ROOT = Path(__file__).resolve().parents[1]
+SETTINGS = engine.Settings(batch_size=2, max_new_tokens=6)
+
+
+def tiny_pair(source="llama", target="gemma3"):
+    config = base()
+    tiny(config, source, target)
+    return loop.load_pair(config)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return tiny_pair()
+
+
+def test_native_answers_equal_the_target_reading_the_whole_prompt(pair):
+    """The engine's native path (padded batch, prefix cache, suffix, greedy decoding) gives the tokens of the target
+    generating from prefix + suffix in one unpadded sequence; option likelihoods equal a full forward's."""
+    examples = synthetic.examples("extractive_qa", 3, seed=1) + synthetic.examples("closed_qa", 3, seed=2)[:2]
+    for subset in (examples[:3], examples[3:]):
+        got = engine.evaluate_examples(pair, [engine.Native()], subset, SETTINGS)["native"]["predictions"]
+        closed = engine.is_closed(subset)
+        eos = pair.target.config.eos_ids
+        for example, prediction in zip(subset, got):
+            prefix = engine.token_ids(pair.target_tokenizer, [engine.prefix_text(example, closed)], True)[0]
+            suffix = engine.token_ids(pair.target_tokenizer, [engine.suffix_text(example)], False)[0]
+            prefix = prefix[: 512 - len(suffix) - SETTINGS.max_new_tokens]  # what fits the tiny model's 512 positions
+            ids = jnp.asarray([prefix + suffix], jnp.int32)
+            out = generate(pair.target, ids, max_new_tokens=SETTINGS.max_new_tokens)
+            assert prediction["generation"] == engine.decode_answers(pair.target_tokenizer, out, eos)[0]
+            if closed:  # the likelihood choice from full forwards over prompt (without the options) + " choice"
+                means = []
+                plain = engine.token_ids(pair.target_tokenizer, [engine.suffix_text(example, options=False)], False)[0]
+                for choice in example["choices"]:
+                    tokens = engine.token_ids(pair.target_tokenizer, [" " + choice], False)[0]
+                    full = jnp.asarray([prefix + plain + tokens], jnp.int32)
+                    logp = jax.nn.log_softmax(pair.target(full)[0][0], axis=-1)
+                    start = len(prefix) + len(plain)
+                    means.append(np.mean([logp[start - 1 + j, t] for j, t in enumerate(tokens)]))
+                assert prediction["likelihood_choice"] == example["choices"][int(np.argmax(means))]
+
+
+class Same(nnx.Module):
+    """An identity translator mixture: the K or V it reads is the K or V it writes."""
+
+    def __call__(self, x, mask):
+        return x, {}
+
+
+def test_direct_identity_translation_reproduces_native_scores_exactly():
+    """Source = target model and an identity translator in `direct` mode: every prediction equals native's."""
+    pair = tiny_pair("gemma3", "gemma3")
+    layers = pair.target.config.num_layers
+    spec = TranslationSpec.build("direct", None, layers, layers)
+    translator = KVTranslator(spec, mixture_config(spec, pair.source, pair.target, dim=8, heads=1, depth=1),
+                              rngs=nnx.Rngs(0))  # fmt: skip
+    translator.key, translator.value = Same(), Same()
+    methods = [engine.Native(), engine.Translated("identity", translator, "-", 0)]
+    for task in ("extractive_qa", "closed_qa"):
+        results = engine.evaluate_examples(pair, methods, synthetic.examples(task, 4, seed=3), SETTINGS)
+        assert results["identity"]["predictions"] == results["native"]["predictions"]
+        metric = "accuracy" if task == "closed_qa" else "f1"
+        assert results["identity"][metric] == results["native"][metric]
+
+
+def test_budgets_truncate_the_context_and_a_question_that_cannot_fit_is_refused(pair):
+    example = synthetic.examples("long_context", 1, seed=0, distractors=8)[0]
+    short = engine.Settings(batch_size=1, max_new_tokens=4, budget=160)
+    contexts, _, _ = next(engine.batches(pair, [example], short))
+    assert contexts.mask.sum() == 160 and 20 < len(contexts.passages[0]) < len(example["context"]) / 2
+    assert example["context"].startswith(contexts.passages[0].rstrip("\ufffd"))  # a cut may split a character
+    too_long = dict(example, question="why " * 600)
+    with pytest.raises(MotJaxError, match="cannot fit"):
+        next(engine.batches(pair, [too_long], short))
+
+
+@pytest.fixture(scope="module")
+def trained_workdir(tmp_path_factory):
+    """A one-step tiny training run (the translator only needs to exist)."""
+    workdir = tmp_path_factory.mktemp("run")
+    config = base()
+    tiny(config, "llama", "gemma3")
+    config.translator.channels.mode = "terminal"
+    config.steps, config.eval_batches, config.final_eval_batches = 1, 1, 1
+    loop.train_and_evaluate(config, workdir)
+    return workdir
+
+
+def small_config(**overrides):
+    config = defaults()
+    config.update(dict(examples=2, batch_size=2, max_new_tokens=4, relay_tokens=4, budgets="48,96", agents=2,
+                       ttft_lengths="32,64", ttft_runs=1) | overrides)  # fmt: skip
+    return config
+
+
+@pytest.mark.slow
+def test_report_files_are_written_and_parse(trained_workdir, tmp_path):
+    out = tmp_path / "report"
+    results = run.evaluate(trained_workdir, small_config(), out=out)
+    saved = json.loads((out / "results.json").read_text())
+    assert set(saved["tasks"]) == {"extractive_qa", "closed_qa", "long_context", "multi_agent"}
+    names = ["no_context", "native", "text_relay", "MoT replay"]
+    assert list(saved["tasks"]["extractive_qa"]["methods"]) == names
+    assert saved["tasks"]["closed_qa"]["methods"]["native"]["retention"] in (None, 100.0)
+    assert list(saved["tasks"]["long_context"]["budgets"]) == ["48", "96"]
+    assert {r["context_tokens"] for r in saved["latency"]} == {32, 64}
+    assert len(saved["routing"]["MoT replay"]["key"]) == 2  # tokens per expert
+    assert "predictions" not in saved["tasks"]["extractive_qa"]["methods"]["native"]
+    assert results["tasks"]["extractive_qa"]["methods"]["native"]["predictions"]  # they go to predictions.jsonl
+    rows = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
+    assert len(rows) == len(names) * 2 * (2 + 2)  # 2 examples: two tasks and long_context at two budgets
+    markdown = (out / "results.md").read_text()
+    assert markdown == report.markdown(saved) and "| MoT replay |" in markdown
+    for plot in ("quality_vs_budget.png", "ttft_vs_length.png", "routing_load.png"):
+        assert (out / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def evaluate_cli(*flags):
+    command = [sys.executable, "-m", "mot_jax.evaluate", *flags]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+def test_cli_errors_are_one_line(trained_workdir, tmp_path):
+    result = evaluate_cli(f"--workdir={tmp_path}")
+    assert result.returncode == 2 and "holds no finished checkpoint" in result.stderr.splitlines()[-1]
+    result = evaluate_cli(f"--workdir={trained_workdir}", "--config.exampels=3")
+    assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].startswith("error: the config has no key")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(dict(context="c", question="q", answers=["a"])) + "\n{not json\n")
+    result = evaluate_cli(f"--workdir={trained_workdir}", "--task=extractive_qa", f"--data={bad}")
+    assert result.returncode == 2 and f"{bad}:2: not valid JSON" in result.stderr
+    result = evaluate_cli(f"--workdir={trained_workdir}", f"--data={bad}")
+    assert result.returncode == 2 and "--data needs --task" in result.stderr
+
+
+def test_user_jsonl_through_the_command(trained_workdir, tmp_path):
+    data = tmp_path / "qa.jsonl"
+    data.write_text("".join(json.dumps(e) + "\n" for e in synthetic.examples("closed_qa", 2, seed=5)))
+    out = tmp_path / "out"
+    flags = ["--task=closed_qa", f"--data={data}", f"--out={out}", "--config.ttft_lengths=", "--config.methods=native"]
+    result = evaluate_cli(f"--workdir={trained_workdir}", *flags, "--config.max_new_tokens=4")
+    assert result.returncode == 0, result.stderr[-2000:]
+    saved = json.loads((out / "results.json").read_text())
+    assert list(saved["tasks"]) == ["closed_qa"] and saved["tasks"]["closed_qa"]["examples"] == 2
+    assert "## closed_qa (2 examples)" in result.stdout
+
+
+def test_compared_runs_must_share_the_model_pair(trained_workdir, monkeypatch):
+    real = run.load_trained
+
+    def load(workdir, which):
+        trained = real(trained_workdir, which)
+        if workdir == "other":
+            trained.config.target = "random:qwen2"
+        return trained
+
+    monkeypatch.setattr(run, "load_trained", load)
+    with pytest.raises(MotJaxError, match="compare runs of one model pair"):
+        run.trained_methods([str(trained_workdir), "other"], "last")
