@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 
 requirements=requirements.txt
 if [[ "${1:-}" == "--dev" ]]; then
-  requirements=requirements-dev.txt
+  requirements="requirements-dev.txt"
 elif [[ -n "${1:-}" ]]; then
   echo "usage: bash launch/setup.sh [--dev]" >&2
   exit 2

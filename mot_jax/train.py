@@ -1,58 +1,52 @@
 """Train a translator: `python -m mot_jax.train --config=configs/NAME.py[:tiny] --workdir=DIR [--config.key=value]`.
 
 Restarting the same command on the same workdir resumes from its latest checkpoint.
+
+Multi-process (several hosts, or one process per GPU): start the same command in every process; it joins the others
+through `jax.distributed` when given --coordinator_address, --num_processes and --process_id (or the environment
+variables JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID), or when started by SLURM (srun, several
+tasks), Open MPI or on a Cloud TPU VM (--distributed forces it, --nodistributed prevents it).
 """
 
 from __future__ import annotations
 
-import logging as std_logging
-import re
-import sys
+import os
 
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from mot_jax.errors import MotJaxError
+from mot_jax.cli import config_flags_parser, log_info_quietly, run_or_exit
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file (configs/NAME.py[:ARG]).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, logs and TensorBoard events.")
 flags.mark_flags_as_required(["config", "workdir"])
-QUOTES = re.compile(r"""[\\'"]""")  # ml_collections quotes key names in its KeyError text
-
-
-def parse_flags(argv):
-    """absl's flag parsing, with a bad config file, argument or key reported in one line (exit 2)."""
-    try:
-        rest = flags.FLAGS(argv)
-        _CONFIG.value.to_dict()  # a config file that failed to load raises only when its config is used
-        return rest
-    except Exception as e:  # config files run user code: any error there is a usage error
-        reason = " ".join(str(e.args[0] if e.args else e).replace("\\n", " ").split())
-        if isinstance(e, AttributeError | KeyError):
-            reason = f"the config has no key {QUOTES.sub('', reason)}"
-            reason += " (mot_jax/training/config.py lists every key)"
-        print(f"error: {reason}", file=sys.stderr)
-        sys.exit(2)
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator_address", os.environ.get("JAX_COORDINATOR_ADDRESS"), "Multi-process: HOST:PORT of process 0."
+)
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", os.environ.get("JAX_NUM_PROCESSES"), "Multi-process: N.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", os.environ.get("JAX_PROCESS_ID"), "Multi-process: 0 .. N-1.")
+_DISTRIBUTED = flags.DEFINE_bool(
+    "distributed", None, "Join a multi-process run through jax.distributed (JAX detects the cluster); default: when "
+    "the flags above, SLURM, Open MPI or a Cloud TPU VM say so; --nodistributed: never."
+)  # fmt: skip
 
 
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
-    logging.set_verbosity(logging.INFO)
-    # Orbax logs every save step at INFO through absl; keep its warnings and errors only
-    logging.get_absl_handler().addFilter(lambda r: r.levelno >= std_logging.WARNING or "/orbax/" not in r.pathname)
-    from mot_jax.training.loop import train_and_evaluate  # after flag parsing: importing jax is slow
+    log_info_quietly()
+    from mot_jax import multihost  # after flag parsing: importing jax is slow
+    from mot_jax.training.loop import train_and_evaluate
 
-    try:
-        train_and_evaluate(_CONFIG.value, _WORKDIR.value)
-    except MotJaxError as e:
-        logging.error("%s", e)
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    # before any other JAX call; a single process stays as it is
+    run_or_exit(multihost.initialize, _COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _DISTRIBUTED.value)
+    if not multihost.is_main():
+        logging.set_verbosity(logging.WARNING)  # process 0 logs for the run
+    run_or_exit(train_and_evaluate, _CONFIG.value, _WORKDIR.value)
 
 
 def run():
-    app.run(main, flags_parser=parse_flags)
+    app.run(main, flags_parser=config_flags_parser(_CONFIG, "mot_jax/training/config.py"))
 
 
 if __name__ == "__main__":

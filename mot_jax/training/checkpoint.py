@@ -44,10 +44,13 @@ class Checkpoints:
             raise self._unreadable(manager, step, e) from None
 
     def restore(self, state, step: int | None = None, which: str = "last"):
-        """The saved arrays in the structure, dtypes and shardings of `state` (a live or abstract pytree)."""
+        """The saved arrays in the structure, dtypes and shardings of `state` (a live or abstract pytree); leaves
+        without a sharding land on this process's first device, whatever devices (or processes) saved them."""
         manager = self.best if which == "best" else self.last
         step = manager.latest_step() if step is None else step
+        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+        abstract = jax.tree.map(lambda x: x if x.sharding else x.update(sharding=device), abstract)
         try:
             return manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
         except Exception as e:

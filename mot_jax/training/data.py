@@ -222,7 +222,8 @@ class Batches:
     """The infinite training stream: epoch e walks `np.random.default_rng([seed, e]).permutation(N)` and batch p
     takes stream items p*B .. p*B+B-1 (crossing epochs), so `batch(p)` depends on p alone.
 
-    `chunks` is a TextChunks (whose prefix_tokens is then the default) or an [N, T] array.
+    `chunks` is a TextChunks (whose prefix_tokens is then the default) or an [N, T] array. `rows` (a slice of
+    range(batch_size)) keeps only those rows of each batch: a process's share in a multi-process run.
     """
 
     def __init__(
@@ -235,6 +236,7 @@ class Batches:
         source_length: int,
         *,
         prefix_tokens: int | None = None,
+        rows: slice = slice(None),
     ):
         self.chunks = np.asarray(chunks)
         if self.chunks.ndim != 2 or not len(self.chunks):
@@ -244,7 +246,7 @@ class Batches:
             raise MotJaxError(
                 f"source_length={source_length} is below the {built} the chunks were filtered for; pass the same."
             )
-        self.batch_size, self.seed = batch_size, seed
+        self.batch_size, self.seed, self.rows = batch_size, seed, rows
         self.prefix_tokens = _prefix_tokens(chunks, prefix_tokens)
         self.source_tokenizer, self.target_tokenizer = source_tokenizer, target_tokenizer
         self.source_length = source_length
@@ -275,7 +277,7 @@ class Batches:
 
     def batch(self, position: int) -> Batch:
         return make_batch(
-            self.chunks[self.indices(position)],
+            self.chunks[self.indices(position)[self.rows]],
             self.prefix_tokens,
             self.source_tokenizer,
             self.target_tokenizer,
@@ -292,21 +294,20 @@ def validation_batches(
     *,
     max_batches: int | None = None,
     prefix_tokens: int | None = None,
+    rows: slice = slice(None),
 ) -> list[Batch]:
     """Fixed batches over the validation chunks in order (no shuffle); the last partial batch is dropped, so every
-    batch is full and has the training shapes."""
-    rows = np.asarray(chunks)
-    count = len(rows) // batch_size if max_batches is None else min(len(rows) // batch_size, max_batches)
+    batch is full and has the training shapes. `rows` keeps those rows of each batch (as in `Batches`)."""
+    table = np.asarray(chunks)
+    count = len(table) // batch_size if max_batches is None else min(len(table) // batch_size, max_batches)
     if count == 0 and max_batches != 0:
         raise MotJaxError(
-            f"The validation split has {len(rows)} chunks, fewer than batch_size={batch_size}; lower the batch size "
+            f"The validation split has {len(table)} chunks, fewer than batch_size={batch_size}; lower the batch size "
             "or use a corpus with more text."
         )
     p = _prefix_tokens(chunks, prefix_tokens)
-    return [
-        make_batch(rows[i * batch_size : (i + 1) * batch_size], p, source_tokenizer, target_tokenizer, source_length)
-        for i in range(count)
-    ]
+    batches = [table[i * batch_size : (i + 1) * batch_size][rows] for i in range(count)]
+    return [make_batch(b, p, source_tokenizer, target_tokenizer, source_length) for b in batches]
 
 
 def prefetch(batches: Batches, start: int, count: int, depth: int = 2):

@@ -26,8 +26,9 @@ from etils import epath
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from mot_jax import sharding
+from mot_jax import multihost, sharding
 from mot_jax.errors import MotJaxError
+from mot_jax.models.gguf import cache_root
 from mot_jax.models.loading import load_model, load_tokenizer, resolve_dtype
 from mot_jax.training import corpus, data, objective
 from mot_jax.training.checkpoint import Checkpoints
@@ -59,7 +60,8 @@ class Datasets:
     validation: list  # fixed batches: the first `eval_batches` score checkpoints, the next ones are held out
 
 
-def make_datasets(config, pair: Pair) -> Datasets:
+def make_datasets(config, pair: Pair, rows: slice = slice(None)) -> Datasets:
+    """`rows`: the rows of each global batch this process builds (multihost.local_rows; all of them by default)."""
     d = config.data
     documents = corpus.documents(d.corpus, d.data_dir or None)
     eos = pair.target.config.eos_ids
@@ -76,14 +78,21 @@ def make_datasets(config, pair: Pair) -> Datasets:
 
     needed = max(config.eval_batches, config.translator.channels.search_eval_batches) + config.final_eval_batches
     return Datasets(
-        data.Batches(chunks("train"), config.batch_size, config.seed, **tokenizers, **lengths),
-        data.validation_batches(chunks("validation"), config.batch_size, **tokenizers, **lengths, max_batches=needed),
+        data.Batches(chunks("train"), config.batch_size, config.seed, **tokenizers, **lengths, rows=rows),
+        data.validation_batches(
+            chunks("validation"), config.batch_size, **tokenizers, **lengths, max_batches=needed, rows=rows
+        ),
     )
 
 
 def make_mesh(config) -> jax.sharding.Mesh:
     data_axis, expert_axis = config.mesh.data, config.mesh.expert
     devices = jax.devices() if data_axis == -1 else jax.devices()[: data_axis * expert_axis]
+    if jax.process_count() > 1 and len(devices) != jax.device_count():
+        raise MotJaxError(
+            f"A run of {jax.process_count()} processes uses all {jax.device_count()} devices; set "
+            "--config.mesh.data=-1 (or data x expert to the device count)."
+        )
     mesh = sharding.make_mesh(data_axis, expert_axis, devices)
     if config.batch_size % mesh.shape["data"]:
         raise MotJaxError(
@@ -198,10 +207,11 @@ class Trainer:
 
     # -- host side --
     def place(self, batch, micro: bool):
-        """Numpy batch -> device arrays, the batch axis (1 for stacked micro-batches, else 0) over `data`."""
+        """This process's rows of a numpy batch (all rows in a single process) -> global device arrays, the batch
+        axis (1 for stacked micro-batches, else 0) over `data`; JAX infers the global batch from the mesh."""
         lead = (None,) if micro else ()
-        put = lambda x: jax.device_put(  # noqa: E731
-            x, NamedSharding(self.mesh, PartitionSpec(*lead, "data", *([None] * (x.ndim - len(lead) - 1))))
+        put = lambda x: jax.make_array_from_process_local_data(  # noqa: E731
+            NamedSharding(self.mesh, PartitionSpec(*lead, "data", *([None] * (x.ndim - len(lead) - 1)))), x
         )
         return jax.tree.map(put, batch)
 
@@ -360,9 +370,11 @@ def train_and_evaluate(config, workdir) -> dict:
     """Train (or resume) the config's translator in `workdir`; returns the final summary."""
     workdir = as_path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
+    multihost.check_shared(workdir)
     mesh = make_mesh(config)
-    pair = load_pair(config)
-    datasets = make_datasets(config, pair)
+    with multihost.prepare_lock(cache_root()):  # processes on one host: the first builds caches, the others read
+        pair = load_pair(config)
+        datasets = make_datasets(config, pair, multihost.local_rows(mesh, config.batch_size))
     checkpoints = Checkpoints(workdir, config.keep_checkpoints)
     start = checkpoints.latest_step() or 0
     meta = checkpoints.read_meta(start) if start else {}

@@ -1,0 +1,144 @@
+"""Multi-process training on localhost: two processes of 4 CPU devices each (gloo collectives through
+jax.distributed) train exactly as one process of 8 devices, and checkpoints move between the two layouts."""
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from mot_jax import multihost
+from mot_jax.errors import MotJaxError
+from mot_jax.models import tiny
+from mot_jax.training import data
+from mot_jax.training.trained import load_trained
+
+ROOT = Path(__file__).resolve().parents[1]
+# The tiny quickstart over all 8 devices (a batch row each); validation and a checkpoint at the last step only.
+# Adam's first steps are lr * g / |g|: for a gradient that is ~0 the all-reduce's summation order (gloo across
+# processes, XLA within one) decides the sign; a large eps makes the update ~ lr * g (as test_trainer.py does).
+FLAGS = [
+    "--config=configs/quickstart.py:tiny",
+    "--config.mesh.data=-1",
+    "--config.batch_size=8",
+    "--config.grad_accum=1",
+    "--config.eval_batches=1",
+    "--config.final_eval_batches=1",
+    "--config.eval_every=100",
+    "--config.checkpoint_every=100",
+    "--config.optim.learning_rate=0.1",
+    "--config.optim.eps=1.0",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def run(processes: int, workdirs: list, steps: int, cache: Path) -> tuple[list[int], list[str]]:
+    """`python -m mot_jax.train` as `processes` processes sharing 8 CPU devices, process i in `workdirs[i]`; returns
+    their exit codes and outputs."""
+    env = os.environ | dict(
+        # cheaper XLA compiles (a third less time; both layouts compile alike)
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={8 // processes} --xla_backend_optimization_level=0 "
+        "--xla_llvm_disable_expensive_passes=true",
+        JAX_PLATFORMS="cpu",
+        JAX_DEFAULT_MATMUL_PRECISION="highest",  # as conftest.py
+        JAX_COMPILATION_CACHE_DIR=str(cache),  # the resumed runs reuse the first runs' programs
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+    )
+    coordinator = [f"--coordinator_address=localhost:{free_port()}", f"--num_processes={processes}"]
+    paths = [Path(f"{workdirs[i]}.{steps}.{processes}.{i}.log") for i in range(processes)]  # files: no pipe fills up
+    runs = []
+    try:
+        for i, path in enumerate(paths):
+            command = [sys.executable, "-m", "mot_jax.train", *FLAGS, f"--workdir={workdirs[i]}"]
+            command += [f"--config.steps={steps}", *(coordinator + [f"--process_id={i}"] if processes > 1 else [])]
+            with open(path, "w") as log:
+                runs.append(subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
+        codes = [r.wait(timeout=900) for r in runs]
+    finally:
+        for r in runs:
+            if r.poll() is None:
+                r.kill()
+    return codes, [path.read_text() for path in paths]
+
+
+def train(workdir, steps: int, processes: int, cache: Path) -> list[str]:
+    codes, logs = run(processes, [workdir] * processes, steps, cache)
+    for code, log in zip(codes, logs):
+        assert code == 0, log[-3000:]
+    return logs
+
+
+def params(workdir) -> list[np.ndarray]:
+    """The translator parameters of the latest checkpoint, read as export and evaluation read them."""
+    return [np.asarray(x) for x in jax.tree.leaves(nnx.state(load_trained(workdir).translator, nnx.Param))]
+
+
+def assert_same(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        np.testing.assert_allclose(x, y, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_two_processes_train_as_one_and_checkpoints_move_between_them(tmp_path):
+    pair, single, cache = tmp_path / "pair", tmp_path / "single", tmp_path / "jax_cache"
+    logs = train(pair, 3, processes=2, cache=cache)
+    train(single, 3, processes=1, cache=cache)
+    assert "step 3/3" in logs[0] and "step 3/3" not in logs[1]  # process 0 logs for both
+    assert len(list((pair / "tensorboard").iterdir())) == 1 and (pair / "summary.json").is_file()
+    pair_3 = params(pair)
+    assert_same(pair_3, params(single))
+
+    # two more steps (the last step of a schedule has learning rate 0), each workdir resumed by the other layout
+    assert "Resumed from step 3" in train(pair, 5, processes=1, cache=cache)[0]
+    assert "Resumed from step 3" in train(single, 5, processes=2, cache=cache)[0]
+    assert_same(params(pair), params(single))
+    assert not all(np.array_equal(x, y) for x, y in zip(pair_3, params(pair)))
+
+
+def test_processes_that_see_different_workdirs_stop_with_the_reason(tmp_path):
+    """As hosts whose workdir is on their own local disk: Orbax could not write one checkpoint there."""
+    codes, logs = run(2, [tmp_path / "host0", tmp_path / "host1"], 3, tmp_path / "jax_cache")
+    assert codes == [2, 2], logs
+    assert "Processes [1] do not see the workdir" in logs[0] and "shared file system or a gs://" in logs[1]
+
+
+def test_a_single_process_stays_single_and_bad_coordinates_are_explained(monkeypatch):
+    for name in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "TPU_WORKER_HOSTNAMES", "TPU_PROCESS_ADDRESSES"):
+        monkeypatch.delenv(name, raising=False)
+    assert multihost.initialize() is False and multihost.initialize(num_processes=1) is False
+    assert multihost.initialize(coordinator_address="localhost:1", force=False) is False
+    with pytest.raises(MotJaxError, match="Could not join the multi-process run .* --num_processes=N"):
+        multihost.initialize(coordinator_address="localhost:1")  # no process count, and no cluster to ask
+    slurm = dict.fromkeys(multihost.SLURM_VARS, "0") | dict(SLURM_NTASKS="4")
+    assert multihost.detected_cluster(slurm) == "slurm"
+    assert multihost.detected_cluster(slurm | dict(SLURM_NTASKS="1")) is None
+    assert multihost.detected_cluster(dict(OMPI_COMM_WORLD_SIZE="2")) == "openmpi"
+
+
+def test_local_rows_of_one_process_are_the_whole_batch():
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()).reshape(4, 2), ("data", "expert"))
+    assert multihost.local_rows(mesh, 8) == slice(0, 8)
+
+
+def test_a_process_builds_exactly_its_rows_of_each_global_batch():
+    target, source = tiny.tokenizer(448), tiny.tokenizer(416)  # two tiny families: a real alignment
+    chunks = np.random.default_rng(0).integers(3, 448, (20, 16), dtype=np.int32)
+    kwargs = dict(source_tokenizer=source, target_tokenizer=target, source_length=200, prefix_tokens=8)
+    whole, mine = (data.Batches(chunks, 8, 0, **kwargs, rows=rows) for rows in (slice(None), slice(4, 8)))
+    for position in (0, 2):  # batch 2 crosses into the second epoch
+        jax.tree.map(lambda a, b: np.testing.assert_array_equal(a[4:8], b), whole.batch(position), mine.batch(position))
+    whole, mine = (data.validation_batches(chunks, 8, **kwargs, rows=rows) for rows in (slice(None), slice(4, 8)))
+    assert len(whole) == len(mine) == 2
+    for a, b in zip(whole, mine):
+        jax.tree.map(lambda x, y: np.testing.assert_array_equal(x[4:8], y), a, b)
