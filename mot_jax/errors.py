@@ -3,3 +3,9 @@
 
 class MotJaxError(Exception):
     """Bad input from the user: the message names the problem and the fix in one sentence."""
+
+
+def cause(e: Exception) -> str:
+    """The first line of an exception's message (its type name when it has none), to quote inside one sentence."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__

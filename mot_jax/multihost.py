@@ -22,7 +22,7 @@ from absl import logging
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
-from mot_jax.errors import MotJaxError
+from mot_jax.errors import MotJaxError, cause
 
 SLURM_VARS = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
 
@@ -56,7 +56,7 @@ def initialize(coordinator_address=None, num_processes=None, process_id=None, fo
     try:
         jax.distributed.initialize(coordinator_address, num_processes, process_id)
     except Exception as e:
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        reason = cause(e)
         if cluster == "tpu-vm":  # TPU chips outside a slice that JAX can read (e.g. Colab): one process, as before
             logging.warning("Running as a single process: jax.distributed found no TPU slice (%s).", reason)
             return False

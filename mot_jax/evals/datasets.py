@@ -37,7 +37,7 @@ import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from mot_jax.errors import MotJaxError
+from mot_jax.errors import MotJaxError, cause
 from mot_jax.evals import jsonl, synthetic
 
 TASKS = synthetic.TASKS
@@ -301,9 +301,8 @@ def _hub_rows(name: str, adapter: Adapter) -> list[dict]:
         try:
             part = datasets.load_dataset(**kwargs)
         except Exception as e:
-            cause = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise MotJaxError(
-                f"Could not load {adapter.hub} from the Hugging Face hub ({cause}); check network access "
+                f"Could not load {adapter.hub} from the Hugging Face hub ({cause(e)}); check network access "
                 f"(HF_DATASETS_OFFLINE / HF_HUB_OFFLINE must be unset), or pass {name}:PATH to a local copy."
             ) from e
         rows += [{"subject": kwargs.get("name"), **row} if name == "mmlu_redux" else row for row in part]
@@ -329,13 +328,7 @@ def _local_rows(name: str, path: Path) -> list[dict]:
         elif file.suffix == ".json":
             part = json.loads(file.read_text(encoding="utf-8"))
         else:
-            lines = file.read_text(encoding="utf-8").splitlines()
-            part = []
-            for number, line in enumerate(lines, 1):
-                try:
-                    part += [json.loads(line)] if line.strip() else []
-                except json.JSONDecodeError as e:
-                    raise MotJaxError(f"{file}:{number}: not valid JSON ({e.msg}); fix that line.") from None
+            part = [row for _, row in jsonl.json_lines(file)]
         if not isinstance(part, list) or not all(isinstance(row, dict) for row in part):
             raise MotJaxError(f"{file} is not a list of JSON objects; write one native {name} row per object.")
         rows += [{"subject": file.stem, **row} if name == "mmlu_redux" else row for row in part]

@@ -66,6 +66,18 @@ def check(example, task: str) -> str | None:
     return None
 
 
+def json_lines(path: Path):
+    """(line number, parsed value) of each non-blank line of a JSONL file; a malformed line is named by file:line."""
+    with path.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield number, json.loads(line)
+            except json.JSONDecodeError as e:
+                raise MotJaxError(f"{path}:{number}: not valid JSON ({e.msg}); fix that line.") from None
+
+
 def read_jsonl(path, task: str) -> list[dict]:
     if task not in SCHEMAS:
         raise MotJaxError(f"Unknown task {task!r}; use one of {', '.join(SCHEMAS)}.")
@@ -73,19 +85,12 @@ def read_jsonl(path, task: str) -> list[dict]:
     if not path.is_file():
         raise MotJaxError(f"{path} does not exist; pass a JSONL file with one {task} example per line.")
     out = []
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                example = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise MotJaxError(f"{path}:{number}: not valid JSON ({e.msg}); fix that line.") from None
-            problem = check(example, task)
-            if problem:
-                keys = ", ".join(SCHEMAS[task])
-                raise MotJaxError(f"{path}:{number}: the example {problem}; a {task} line needs {keys}.")
-            out.append(example)
+    for number, example in json_lines(path):
+        problem = check(example, task)
+        if problem:
+            keys = ", ".join(SCHEMAS[task])
+            raise MotJaxError(f"{path}:{number}: the example {problem}; a {task} line needs {keys}.")
+        out.append(example)
     if not out:
         raise MotJaxError(f"{path} holds no example; write one JSON object per line.")
     return out

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mot_jax.errors import MotJaxError
+from mot_jax.errors import MotJaxError, cause
 
 DEFAULT_CORPUS = "docs_prose"
 VALIDATION_EVERY = 50  # without a validation split, document i is validation when i % 50 == 49
@@ -187,9 +187,8 @@ def _catalog(corpus: str, data_dir: Path):
     except ModuleNotFoundError as e:
         raise MotJaxError(f"The corpus {corpus!r} needs the Python package {e.name!r}; `pip install {e.name}`.") from e
     except Exception as e:
-        cause = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise MotJaxError(
-            f"Could not prepare the corpus {corpus!r} ({cause}); TFDS downloads it, which needs network access, "
+            f"Could not prepare the corpus {corpus!r} ({cause(e)}); TFDS downloads it, which needs network access, "
             f'and the offline default corpus is "{DEFAULT_CORPUS}".'
         ) from e
     return builder
