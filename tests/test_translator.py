@@ -91,6 +91,11 @@ def test_direct_cache_holds_the_translation_and_extends(models):
     assert cache.k.shape[0] == target.config.num_layers and int(cache.index) == ids.shape[1]
     np.testing.assert_array_equal(np.asarray(cache.valid[:, :10]), np.asarray(mask))
     np.testing.assert_array_equal(np.asarray(cache.positions[1, :7]), np.arange(7))
+    # the first token attends only to itself: its K/V are the target's own (a native prefill's), the rest translated
+    _, native, _ = target.run_layers(ids, mask)
+    np.testing.assert_allclose(np.asarray(cache.k[:, :, :, 0]), np.asarray(native.k[:, :, :, 0]), atol=1e-6)
+    np.testing.assert_allclose(np.asarray(cache.v[:, :, :, 0]), np.asarray(native.v[:, :, :, 0]), atol=1e-6)
+    assert not np.allclose(np.asarray(cache.k[:, :, :, 1:7]), np.asarray(native.k[:, :, :, 1:7]), atol=1e-3)
     logits, cache = target(jnp.asarray([[5, 6], [7, 8]]), cache=cache)
     np.testing.assert_array_equal(np.asarray(cache.positions[:, 10:12]), [[10, 11], [7, 8]])  # rows continue
     assert bool(jnp.isfinite(logits).all())
@@ -106,12 +111,14 @@ def test_sparse_indices_follow_layer_and_token_maps():
         source_to_target=rng.integers(0, t, size=(b, s)).astype(np.int32),
     )
     spec = TranslationSpec("replay", (1, 3), (1, 2), layer_map=(0, 1, 3))
-    got = np.asarray(sparse_indices(spec, jnp.asarray(topk), alignment))
+    mask = np.array([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]], bool)  # row 1 left-padded: its first token is at 2
+    got = np.asarray(sparse_indices(spec, jnp.asarray(topk), alignment, jnp.asarray(mask)))
     for j in range(lt):
         for bi in range(b):
             for ti in range(t):
                 source_keys = topk[spec.layer_map[j], bi, alignment.target_to_source[bi, ti]]
-                np.testing.assert_array_equal(got[j, bi, ti], alignment.source_to_target[bi, source_keys])
+                np.testing.assert_array_equal(got[j, bi, ti, :k], alignment.source_to_target[bi, source_keys])
+                assert got[j, bi, ti, k] == (0, 2)[bi]  # the first token, the target's attention sink
 
 
 def test_unrotated_window_is_position_free(models):

@@ -81,11 +81,13 @@ def head_averaged_topk(attentions, k):
 
 def sparse_indices(config, source_topk, alignment):
     """Target layer j reads source layer layer_map[j]; target query t reads source query target_to_source[t]; a source
-    key s becomes target token source_to_target[s]: [Lt, B, T, k] (as mot_jax.translate.translator)."""
+    key s becomes target token source_to_target[s]; the first token (the target's attention sink) is always allowed:
+    [Lt, B, T, k + 1] (as mot_jax.translate.translator)."""
     picked = source_topk[torch.as_tensor(config.layer_map)]  # [Lt, B, S, k]
     rows = torch.arange(picked.shape[1])[:, None]
     by_query = picked[:, rows, torch.as_tensor(alignment.target_to_source, dtype=torch.long)]  # [Lt, B, T, k]
-    return torch.as_tensor(alignment.source_to_target, dtype=torch.long)[rows[..., None], by_query]
+    keys = torch.as_tensor(alignment.source_to_target, dtype=torch.long)[rows[..., None], by_query]
+    return torch.cat([keys, torch.zeros_like(keys[..., :1])], -1)  # + the first token (right padding: slot 0)
 
 
 def allowed_keys(indices, length):
@@ -142,6 +144,10 @@ class CachePipeline:
         )
         ids = torch.as_tensor(np.asarray(target_ids), dtype=torch.long)
         mask = torch.as_tensor(np.asarray(target_mask), dtype=torch.long)
+        # the first token sees only itself: its K/V are the target's own, not translated (as mot_jax)
+        own = _cache_layers(self.target(input_ids=ids[:, :1], cache=DynamicCache(), use_cache=True).cache)
+        for slot, layer in enumerate(cfg.target_layers):
+            k[slot][:, :, :1], v[slot][:, :, :1] = own[layer][0].to(k.dtype), own[layer][1].to(v.dtype)
         if cfg.mode == "direct":
             cache = DynamicCache(config=self.target.config)
             for layer in range(cfg.target_num_layers):

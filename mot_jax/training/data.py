@@ -3,7 +3,8 @@ labels, with the source tokenizer's ids for the same context text and the alignm
 
 Documents are tokenized with the target tokenizer (no special tokens); empty documents and documents under 8 tokens
 are skipped; the kept documents' tokens, each followed by the target's EOS id, form one stream cut into chunks of
-`total_tokens` T. With P = `prefix_tokens`: context = x[0:P-1], prompt = x[P-1:T-1], labels = x[P:T]. The chunk
+`total_tokens` T. With P = `prefix_tokens`: context = x[0:P-1] (its first token replaced by the target's BOS, if it
+has one), prompt = x[P-1:T-1], labels = x[P:T]. The chunk
 table of a split is computed once and cached as .npy, keyed by everything it depends on.
 
 `Batches.batch(position)` is a pure function of one integer, so a checkpoint stores only the stream position.
@@ -205,8 +206,12 @@ class Batch:
 
 def make_batch(rows, prefix_tokens: int, source_tokenizer, target_tokenizer, source_length: int) -> Batch:
     """The Batch of chunk rows [B, T]: the split at P, and the source ids and alignment of the context."""
-    rows = np.asarray(rows, np.int32)
+    rows = np.array(rows, np.int32)
     context, prompt, labels = rows[:, : prefix_tokens - 1], rows[:, prefix_tokens - 1 : -1], rows[:, prefix_tokens:]
+    # A context starts as the target reads any text, with its BOS (Gemma's) in place of the first token: evaluation
+    # prefixes start with it, and a model's first position (its attention sink) is unlike the rest.
+    lead = adapter(target_tokenizer).leading_specials()
+    context[:, : len(lead)] = lead
     context_mask = np.ones(context.shape, bool)
     source_ids, source_mask, alignment = align_batch(
         target_tokenizer, source_tokenizer, context, context_mask, source_length

@@ -53,6 +53,12 @@ class TokenizerAdapter:
     def encode(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         return self.encode_batch([text])[0]
 
+    def leading_specials(self) -> list[int]:
+        """The ids the tokenizer puts before a text's own tokens (e.g. Gemma's BOS; none for GPT-2 or SmolLM2)."""
+        plain = self.backend.encode("a", add_special_tokens=False).ids
+        full = self.backend.encode("a", add_special_tokens=True).ids
+        return full[: full.index(plain[0])] if plain and plain[0] in full else []
+
     def decode(self, ids) -> str:
         return self.decode_batch([ids])[0]
 
@@ -304,6 +310,13 @@ def align_batch(target_tokenizer, source_tokenizer, target_ids, target_mask, sou
     source = src.encode_batch(texts)
     if all(s == r for (s, _), r in zip(source, rows)):
         return _identity_batch(ids, mask, source_length)
+    # Another tokenizer must not read the target's BOS as literal text ("<bos>"): the source gets the text after it,
+    # and the BOS a zero-width span, so it aligns to the first source token.
+    lead = tgt.leading_specials()
+    cuts = [len(lead) if lead and r[: len(lead)] == lead else 0 for r in rows]
+    if any(cuts):
+        texts = tgt.decode_batch([r[c:] for r, c in zip(rows, cuts)])
+        source = src.encode_batch(texts)
     lengths = [len(s) for s, _ in source]
     width = max(lengths) if source_length is None else source_length
     for b, n in enumerate(lengths):
@@ -321,7 +334,8 @@ def align_batch(target_tokenizer, source_tokenizer, target_ids, target_mask, sou
         n = len(s_ids)
         source_ids[b, :n], source_mask[b, :n] = s_ids, True
         source_spans[b, :n] = np.asarray(s_offsets, np.int32).reshape(-1, 2)
-        target_spans[b, mask[b]] = _spans(tgt, texts[b], rows[b], t_ids, t_offsets)
+        spans = _spans(tgt, texts[b], rows[b][cuts[b] :], t_ids, t_offsets)
+        target_spans[b, mask[b]] = np.concatenate([np.zeros((cuts[b], 2), np.int32), spans])
     return source_ids, source_mask, align(target_spans, mask, source_spans, source_mask)
 
 

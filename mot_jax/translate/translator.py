@@ -6,6 +6,11 @@
   (channel-map interpolation) and tokenizers (hard alignment maps), the bottom layers dense.
 - `direct`: the window is every target layer; the translated K/V are the cache, the target never reads the context.
 
+Two rules for a context's first token, in both modes (not in the reference): its K/V are the target's own, computed
+from that token alone (it attends only to itself, so nothing needs translating; for Gemma it is the BOS, the
+attention sink every later token reads), and sparse attention always lets a query see it. The quickstart's translator
+(SmolLM2 -> Gemma-3, 100 steps) keeps 72% of native extractive F1 with them, 60% with the reference's handling.
+
 `KVTranslator` holds the trainable parameters (a K and a V mixture, or projector); `translate` is the jittable function
 that training and evaluation share; `CacheTranslator` is the user-facing object that starts from text.
 """
@@ -102,6 +107,17 @@ def target_positions(mask):
     return jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
 
 
+def first_token_kv(target: CausalLM, target_ids, mask, layers):
+    """The target's own K/V of each row's first token at `layers`, each [W, B, Kt, 1, dt], and where that token sits
+    [B]. The first token attends only to itself, so its K/V depend on that token alone (a BOS: the attention sink
+    every later token reads) and are computed exactly, not translated."""
+    first = jnp.argmax(mask, axis=1)
+    ids = target_ids[jnp.arange(target_ids.shape[0]), first][:, None]
+    _, cache, _ = target.run_layers(ids)
+    pick = jnp.asarray(layers)
+    return cache.k[pick], cache.v[pick], first
+
+
 def translate_window(translator: KVTranslator, source: CausalLM, target: CausalLM, source_cache, alignment, mask):
     """The translated window K/V, each [W, B, Kt, T, dt], and the mixtures' aux outputs {"key": .., "value": ..}."""
     spec, t = translator.spec, target.config
@@ -121,18 +137,21 @@ def translate_window(translator: KVTranslator, source: CausalLM, target: CausalL
     return to_cache(k), to_cache(v), {"key": aux_k, "value": aux_v}
 
 
-def sparse_indices(spec: TranslationSpec, source_topk, alignment):
-    """Per target layer, the target key tokens each target query may attend to: [Lt, B, T, k].
+def sparse_indices(spec: TranslationSpec, source_topk, alignment, mask):
+    """Per target layer, the target key tokens each target query may attend to: [Lt, B, T, k + 1].
 
     source_topk [Ls, B, S, k] are the source's most-attended key tokens per query; target layer j reads source
     layer layer_map[j], target query t reads source query target_to_source[t], and each source key s becomes
-    target token source_to_target[s].
+    target token source_to_target[s]. The last column is each row's first target token: the target's attention
+    sink (e.g. Gemma's BOS) stays visible whatever the source attended to.
     """
     layer_map = jnp.asarray(spec.layer_map)
     picked = source_topk[layer_map]  # [Lt, B, S, k]
     rows = jnp.arange(picked.shape[1])[:, None]
     by_target_query = picked[:, rows, alignment.target_to_source]  # [Lt, B, T, k]
-    return alignment.source_to_target[rows[..., None], by_target_query]
+    keys = alignment.source_to_target[rows[..., None], by_target_query]
+    first = jnp.broadcast_to(jnp.argmax(mask, axis=1)[None, :, None, None], (*keys.shape[:3], 1))
+    return jnp.concatenate([keys, first.astype(keys.dtype)], -1)
 
 
 def translate(translator, source, target, source_cache, alignment, target_ids, target_mask, source_topk=None,
@@ -142,6 +161,9 @@ def translate(translator, source, target, source_cache, alignment, target_ids, t
     batch, length = target_ids.shape
     mask = target_mask.astype(bool)
     k, v, aux = translate_window(translator, source, target, source_cache, alignment, mask)
+    own_k, own_v, first = first_token_kv(target, target_ids, mask, spec.target_layers)
+    is_first = (jnp.arange(length) == first[:, None])[None, :, None, :, None]  # [1, B, 1, T, 1]
+    k, v = jnp.where(is_first, own_k, k), jnp.where(is_first, own_v, v)
     cache = target.init_cache(batch, capacity or length)
     if spec.mode == "direct":
         cache = cache.append_slots(target_positions(mask), mask)
@@ -158,7 +180,7 @@ def translate(translator, source, target, source_cache, alignment, target_ids, t
         if source_topk is None:
             raise MotJaxError("Sparse replay needs the source's attention top-k indices; pass source_topk.")
         sparse = np.arange(target.config.num_layers) >= spec.dense_bottom
-        injection = injection.replace(sparse_index=sparse_indices(spec, source_topk, alignment), sparse=sparse)
+        injection = injection.replace(sparse_index=sparse_indices(spec, source_topk, alignment, mask), sparse=sparse)
     _, cache, _ = target.run_layers(target_ids, mask, cache=cache, injection=injection, fresh=True)
     return cache, aux
 
