@@ -73,11 +73,19 @@ def test_sigkill_mid_training_then_restart_equals_uninterrupted_run(tmp_path):
     assert summary["steps"] == 6 and (tmp_path / "resumed" / "tensorboard").is_dir()
 
 
+# every config at :tiny, and the other runs of the results config (direct, reverse, the baselines)
+RUNS = [(n, "tiny") for n in CONFIGS] + [
+    ("smollm2_gemma3.py", "direct,reverse,tiny"),
+    ("smollm2_gemma3.py", "single,tiny"),
+    ("smollm2_gemma3.py", "direct,projector,tiny"),
+]
+
+
 @pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=() if n == "quickstart.py" else pytest.mark.slow) for n in CONFIGS]
+    "name,arg", [pytest.param(*r, marks=() if r[0] == "quickstart.py" else pytest.mark.slow) for r in RUNS]
 )
-def test_every_config_runs_two_tiny_steps(name, tmp_path):
-    config = load_config(name, steps=2, eval_every=2, checkpoint_every=2)
+def test_every_config_runs_two_tiny_steps(name, arg, tmp_path):
+    config = load_config(name, arg, steps=2, eval_every=2, checkpoint_every=2)
     summary = loop.train_and_evaluate(config, tmp_path)
     assert summary["steps"] == 2 and np.isfinite(summary["final_validation"]["loss"])
     assert (tmp_path / "checkpoints" / "2").is_dir() and (tmp_path / "best" / "2").is_dir()
@@ -95,6 +103,11 @@ def test_bad_config_key_or_file_fails_in_one_line(tmp_path):
 def test_unknown_config_argument_and_model_name(tmp_path):
     with pytest.raises(MotJaxError, match="Unknown config argument"):
         load_config(arg="huge")
+    with pytest.raises(MotJaxError, match="Bad config argument 'replay,direct'"):
+        load_config("smollm2_gemma3.py", arg="replay,direct")
+    config = load_config("smollm2_gemma3.py", arg="direct,reverse,single")
+    assert (config.source, config.target, config.translator.mode) == ("gemma3-270m", "smollm2-135m", "direct")
+    assert config.translator.num_experts == 1
     with pytest.raises(MotJaxError, match="Unknown tiny model"):
         loop.train_and_evaluate(load_config(source="random:nope"), tmp_path)
     with pytest.raises(MotJaxError, match="neither a local directory nor downloadable"):
