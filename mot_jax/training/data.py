@@ -4,8 +4,8 @@ labels, with the source tokenizer's ids for the same context text and the alignm
 Documents are tokenized with the target tokenizer (no special tokens); empty documents and documents under 8 tokens
 are skipped; the kept documents' tokens, each followed by the target's EOS id, form one stream cut into chunks of
 `total_tokens` T. With P = `prefix_tokens`: context = x[0:P-1] (its first token replaced by the target's BOS, if it
-has one), prompt = x[P-1:T-1], labels = x[P:T]. The chunk
-table of a split is computed once and cached as .npy, keyed by everything it depends on.
+has one), prompt = x[P-1:T-1], labels = x[P:T]. The chunk table of a split is computed once and cached as .npy,
+keyed by everything it depends on.
 
 `Batches.batch(position)` is a pure function of one integer, so a checkpoint stores only the stream position.
 """
