@@ -9,6 +9,7 @@ from hf_reference import CONFIGS, save_tiny
 
 from mot_jax import sharding
 from mot_jax.errors import MotJaxError
+from mot_jax.models.base import first_valid_index
 from mot_jax.models.decoder import rope_table
 from mot_jax.models.gguf import load_tokenizer
 from mot_jax.models.layers import apply_rope
@@ -112,7 +113,7 @@ def test_sparse_indices_follow_layer_and_token_maps():
     )
     spec = TranslationSpec("replay", (1, 3), (1, 2), layer_map=(0, 1, 3))
     mask = np.array([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]], bool)  # row 1 left-padded: its first token is at 2
-    got = np.asarray(sparse_indices(spec, jnp.asarray(topk), alignment, jnp.asarray(mask)))
+    got = np.asarray(sparse_indices(spec, jnp.asarray(topk), alignment, first_valid_index(jnp.asarray(mask))))
     for j in range(lt):
         for bi in range(b):
             for ti in range(t):

@@ -226,6 +226,11 @@ class CausalLM(nnx.Module):
         return x
 
 
+def first_valid_index(mask):
+    """[B] index of each row's first valid token (works for left and right padding)."""
+    return jnp.argmax(mask, axis=1)
+
+
 def last_valid_index(mask):
     """[B] index of each row's last valid token (works for left and right padding)."""
     length = mask.shape[1]

@@ -27,7 +27,7 @@ from flax import nnx
 from mot_jax.errors import MotJaxError
 from mot_jax.jit import jit
 from mot_jax.models import decoder
-from mot_jax.models.base import CausalLM, Injection
+from mot_jax.models.base import CausalLM, Injection, first_valid_index
 from mot_jax.models.layers import apply_rope
 from mot_jax.translate import align as alignment_lib
 from mot_jax.translate import channels
@@ -107,15 +107,13 @@ def target_positions(mask):
     return jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
 
 
-def first_token_kv(target: CausalLM, target_ids, mask, layers):
-    """The target's own K/V of each row's first token at `layers`, each [W, B, Kt, 1, dt], and where that token sits
-    [B]. The first token attends only to itself, so its K/V depend on that token alone (a BOS: the attention sink
-    every later token reads) and are computed exactly, not translated."""
-    first = jnp.argmax(mask, axis=1)
-    ids = target_ids[jnp.arange(target_ids.shape[0]), first][:, None]
-    _, cache, _ = target.run_layers(ids)
+def first_token_kv(target: CausalLM, target_ids, first, layers):
+    """The target's own K/V at `layers` of each row's first token (at index `first` [B]), each [W, B, Kt, 1, dt].
+    The first token attends only to itself, so its K/V depend on that token alone (a BOS: the attention sink every
+    later token reads) and are computed exactly, not translated."""
+    _, cache, _ = target.run_layers(target_ids[jnp.arange(target_ids.shape[0]), first][:, None])
     pick = jnp.asarray(layers)
-    return cache.k[pick], cache.v[pick], first
+    return cache.k[pick], cache.v[pick]
 
 
 def translate_window(translator: KVTranslator, source: CausalLM, target: CausalLM, source_cache, alignment, mask):
@@ -137,20 +135,20 @@ def translate_window(translator: KVTranslator, source: CausalLM, target: CausalL
     return to_cache(k), to_cache(v), {"key": aux_k, "value": aux_v}
 
 
-def sparse_indices(spec: TranslationSpec, source_topk, alignment, mask):
+def sparse_indices(spec: TranslationSpec, source_topk, alignment, first):
     """Per target layer, the target key tokens each target query may attend to: [Lt, B, T, k + 1].
 
     source_topk [Ls, B, S, k] are the source's most-attended key tokens per query; target layer j reads source
     layer layer_map[j], target query t reads source query target_to_source[t], and each source key s becomes
-    target token source_to_target[s]. The last column is each row's first target token: the target's attention
-    sink (e.g. Gemma's BOS) stays visible whatever the source attended to.
+    target token source_to_target[s]. The last column is each row's first target token (index `first` [B]): the
+    target's attention sink (e.g. Gemma's BOS) stays visible whatever the source attended to.
     """
     layer_map = jnp.asarray(spec.layer_map)
     picked = source_topk[layer_map]  # [Lt, B, S, k]
     rows = jnp.arange(picked.shape[1])[:, None]
     by_target_query = picked[:, rows, alignment.target_to_source]  # [Lt, B, T, k]
     keys = alignment.source_to_target[rows[..., None], by_target_query]
-    first = jnp.broadcast_to(jnp.argmax(mask, axis=1)[None, :, None, None], (*keys.shape[:3], 1))
+    first = jnp.broadcast_to(first[None, :, None, None], (*keys.shape[:3], 1))
     return jnp.concatenate([keys, first.astype(keys.dtype)], -1)
 
 
@@ -161,7 +159,8 @@ def translate(translator, source, target, source_cache, alignment, target_ids, t
     batch, length = target_ids.shape
     mask = target_mask.astype(bool)
     k, v, aux = translate_window(translator, source, target, source_cache, alignment, mask)
-    own_k, own_v, first = first_token_kv(target, target_ids, mask, spec.target_layers)
+    first = first_valid_index(mask)
+    own_k, own_v = first_token_kv(target, target_ids, first, spec.target_layers)
     is_first = (jnp.arange(length) == first[:, None])[None, :, None, :, None]  # [1, B, 1, T, 1]
     k, v = jnp.where(is_first, own_k, k), jnp.where(is_first, own_v, v)
     cache = target.init_cache(batch, capacity or length)
@@ -180,7 +179,7 @@ def translate(translator, source, target, source_cache, alignment, target_ids, t
         if source_topk is None:
             raise MotJaxError("Sparse replay needs the source's attention top-k indices; pass source_topk.")
         sparse = np.arange(target.config.num_layers) >= spec.dense_bottom
-        injection = injection.replace(sparse_index=sparse_indices(spec, source_topk, alignment, mask), sparse=sparse)
+        injection = injection.replace(sparse_index=sparse_indices(spec, source_topk, alignment, first), sparse=sparse)
     _, cache, _ = target.run_layers(target_ids, mask, cache=cache, injection=injection, fresh=True)
     return cache, aux
 
