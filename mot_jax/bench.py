@@ -527,8 +527,8 @@ def describe(method, target) -> str:
     name = method.name if spec.mode in method.name else f"{method.name} ({spec.mode})"
     text = (f"{name}: {len(spec.target_layers)} of the target's {target.config.num_layers} "
             f"layers, translator dim {cfg.dim}, {cfg.num_experts} experts (k = {cfg.top_k})")  # fmt: skip
-    if spec.mode == "replay" and spec.sparse_attention:
-        text += f", sparse top-{spec.k_attn} attention from the source's attention"
+    if spec.attention_topk:
+        text += f", sparse top-{spec.attention_topk} attention from the source's attention"
     return text + ("" if cfg.fused_output else ", one output projection per layer")
 
 

@@ -169,8 +169,8 @@ def test_user_jsonl_through_the_command(trained_workdir, tmp_path):
 def test_compared_runs_must_share_the_model_pair(trained_workdir, monkeypatch):
     real = run.load_trained
 
-    def load(workdir, which):
-        trained = real(trained_workdir, which)
+    def load(workdir, which, **changes):
+        trained = real(trained_workdir, which, **changes)
         if workdir == "other":
             trained.config.target = "random:qwen2"
         return trained
@@ -178,3 +178,27 @@ def test_compared_runs_must_share_the_model_pair(trained_workdir, monkeypatch):
     monkeypatch.setattr(run, "load_trained", load)
     with pytest.raises(MotJaxError, match="compare runs of one model pair"):
         run.trained_methods([str(trained_workdir), "other"], "last")
+
+
+def test_replay_attention_and_checkpoint_step_are_chosen_at_evaluation(trained_workdir, pair):
+    """`replay_attention` evaluates a replay translator again with another attention and the same weights, and
+    the caches it builds change with it (the layers below the translated window stay the native prefill's); `which`
+    takes a step number."""
+    names = ["MoT replay", "MoT replay, dense attention", "MoT replay, top-2 attention"]
+    methods, _ = run.trained_methods([str(trained_workdir)], "1", "trained,dense,2,dense,trained")
+    assert [m.name for m in methods] == names
+    assert [m.translator.spec.attention_topk for m in methods] == [4, 0, 2]
+    weights = [nnx.state(m.translator, nnx.Param) for m in methods]
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), weights[0], weights[1]))
+    contexts, _, _ = next(engine.batches(pair, synthetic.examples("extractive_qa", 2, seed=4), SETTINGS))
+    native, _ = engine.Native().build(pair, contexts, contexts.length, engine.Stopwatch())
+    caches = [m.build(pair, contexts, contexts.length, engine.Stopwatch())[0].k for m in methods]
+    below = min(methods[0].translator.spec.target_layers)
+    for k in caches:
+        np.testing.assert_allclose(k[:below], native.k[:below], atol=1e-5)
+    for a, b in ((0, 1), (0, 2), (1, 2)):
+        assert not np.allclose(caches[a][below:], caches[b][below:], atol=1e-3), (a, b)
+    with pytest.raises(MotJaxError, match="keeps no checkpoint of step 7; pick one of steps 1, last or best"):
+        run.trained_methods([str(trained_workdir)], "7")
+    with pytest.raises(MotJaxError, match="replay_attention has 'sparse'"):
+        run.trained_methods([str(trained_workdir)], "last", "sparse")

@@ -23,7 +23,8 @@ def defaults() -> ml_collections.ConfigDict:
     c.ttft_lengths = "256,512,1024,2048"  # latency table: context lengths in target tokens (batch 1)
     c.ttft_runs = 3  # median of this many timed runs after a warm-up
     c.memory = True  # XLA's memory plan per method at the longest TTFT length (compiles each program again)
-    c.which = "last"  # the checkpoint evaluated: last | best (validation loss)
+    c.which = "last"  # the checkpoint evaluated: last | best (validation loss) | a step number
+    c.replay_attention = "trained"  # replay translators, once per entry: trained | dense | K (top-K keys per query)
     c.dtype = ""  # LLM dtype; "" = the training run's
     return c
 

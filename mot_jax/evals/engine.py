@@ -233,7 +233,7 @@ class Translated(Method):
             )
         bucket = -(-source_ids.shape[1] // BUCKET) * BUCKET
         source_ids, source_mask, alignment = alignment_lib.pad_source(source_ids, source_mask, alignment, bucket)
-        topk = spec.k_attn if spec.mode == "replay" and spec.sparse_attention else 0
+        topk = spec.attention_topk
         source_cache, source_topk = watch.lap(
             "source_prefill", source_prefill(models.source, source_ids, source_mask, topk=topk)
         )
@@ -479,7 +479,7 @@ def planned_bytes(models, method, contexts, suffix_ids, suffix_mask, settings: S
         source_ids, source_mask, alignment = alignment_lib.align_batch(
             models.target_tokenizer, models.source_tokenizer, contexts.ids, contexts.mask
         )
-        topk = spec.k_attn if spec.mode == "replay" and spec.sparse_attention else 0
+        topk = spec.attention_topk
         source_cache, source_topk = source_prefill(models.source, source_ids, source_mask, topk=topk)
         programs.append(source_prefill.lower(models.source, source_ids, source_mask, topk=topk))
         programs.append(_translate_jit.lower(method.translator, models.source, models.target, source_cache, alignment,

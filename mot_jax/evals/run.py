@@ -24,9 +24,31 @@ from mot_jax.training.trained import load_trained
 TASKS = datasets.TASKS
 
 
-def trained_methods(workdirs, which: str):
-    """Translated methods from training workdirs (the same model pair), named from their configs."""
-    methods, pair = [], None
+def replay_attentions(value) -> list[dict]:
+    """`replay_attention` as TranslationSpec changes: {} for `trained`, dense, or top-K keys per query."""
+    changes = []
+    for item in parse_list(value) or ["trained"]:
+        if item == "trained":
+            changes.append({})
+        elif item == "dense":
+            changes.append(dict(sparse_attention=False))
+        elif item.isdigit() and int(item) > 0:
+            changes.append(dict(sparse_attention=True, k_attn=int(item)))
+        else:
+            raise MotJaxError(
+                f"replay_attention has {item!r}; use a comma list of trained, dense or a number of keys per query."
+            )
+    return changes
+
+
+def attention_name(spec) -> str:
+    return f"top-{spec.k_attn} attention" if spec.attention_topk else "dense attention"
+
+
+def trained_methods(workdirs, which: str, replay_attention="trained"):
+    """Translated methods from training workdirs (the same model pair), named from their configs; each replay
+    translator once per `replay_attention` entry (trained, dense, or top-K), named by its attention if it changed."""
+    methods, pair, attentions = [], None, replay_attentions(replay_attention)
     for workdir in workdirs:
         trained = load_trained(workdir, which)
         names = (trained.config.source, trained.config.target)
@@ -36,10 +58,21 @@ def trained_methods(workdirs, which: str):
                 "compare runs of one model pair."
             )
         pair = names
-        name = engine.method_name(trained.config)
-        if any(m.name == name for m in methods):
-            name = f"{name} [{as_path(workdir).name}]"
-        methods.append(engine.Translated(name, trained.translator, str(workdir), trained.step))
+        trained_spec = trained.translator.spec
+        seen = []
+        for changes in attentions if trained_spec.mode == "replay" else [{}]:
+            if changes:
+                trained = load_trained(workdir, which, **changes)
+            spec = trained.translator.spec
+            if spec in seen:
+                continue
+            seen.append(spec)
+            name = engine.method_name(trained.config)
+            if spec != trained_spec:
+                name = f"{name}, {attention_name(spec)}"
+            if any(m.name == name for m in methods):
+                name = f"{name} [{as_path(workdir).name}]"
+            methods.append(engine.Translated(name, trained.translator, str(workdir), trained.step))
     return methods, trained.config
 
 
@@ -73,7 +106,8 @@ def evaluate(workdir, config: ml_collections.ConfigDict, compare=(), out=None) -
     if config.data and len(tasks) != 1:
         raise MotJaxError(f"data={config.data!r} holds one task's examples; pass --task with it.")
     budgets, lengths = parse_list(config.budgets, int), parse_list(config.ttft_lengths, int)
-    translated, train_config = trained_methods([str(workdir), *map(str, compare)], config.which)
+    workdirs = [str(workdir), *map(str, compare)]
+    translated, train_config = trained_methods(workdirs, config.which, config.replay_attention)
     methods = baseline_methods(config) + translated
     pair_config = ml_collections.ConfigDict(dict(source=train_config.source, target=train_config.target,
                                                  dtype=config.dtype or train_config.dtype))  # fmt: skip

@@ -1,4 +1,4 @@
-"""Export a trained translator for PyTorch: `python -m mot_jax.export --workdir=DIR --out=OUT [--which=last|best]`.
+"""Export a trained translator for PyTorch: `python -m mot_jax.export --workdir=DIR --out=OUT [--which=last|best|STEP]`.
 
 OUT gets `model.safetensors` (the experts and routers or the projector MLPs, and RoPE tables; no pickle) and
 `config.json` (the translator's shape, channel map and mode, and the training run's model names and alignment
@@ -15,7 +15,7 @@ from mot_jax.cli import run_or_exit
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Training workdir holding a finished checkpoint.")
 _OUT = flags.DEFINE_string("out", None, "Output folder (replaced if it exists).")
-_WHICH = flags.DEFINE_enum("which", "last", ["last", "best"], "The latest checkpoint or the best-validation one.")
+_WHICH = flags.DEFINE_string("which", "last", "The checkpoint: last, best (validation loss) or a step number.")
 flags.mark_flags_as_required(["workdir", "out"])
 
 

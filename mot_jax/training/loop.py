@@ -144,7 +144,7 @@ class Trainer:
         self.tx, self.schedule = adamw(config.optim, total_steps)
         rng = jax.random.key_data(jax.random.key(config.seed))
         self.state = dict(params=params, opt_state=jax.jit(self.tx.init)(params), rng=rng)
-        self.topk = spec.k_attn if spec.mode == "replay" and spec.sparse_attention else 0
+        self.topk = spec.attention_topk
         self.compute_dtype = resolve_dtype(config.dtype)
         self.weights = objective.LossWeights(
             config.loss.correction_weight, config.loss.load_balance_weight, config.loss.z_loss_weight

@@ -42,22 +42,31 @@ def _dataclass(cls, fields: dict):
     return cls(**{k: _tuples(v) for k, v in fields.items()})
 
 
-def load_trained(workdir, which: str = "last") -> Trained:
-    """The translator of the latest (`which="last"`) or best-validation (`"best"`) checkpoint in `workdir`."""
-    if which not in ("last", "best"):
-        raise MotJaxError(f"which={which!r} is not 'last' or 'best'.")
+def load_trained(workdir, which: str | int = "last", **spec_changes) -> Trained:
+    """The translator of the latest (`which="last"`), best-validation (`"best"`) or a given step's checkpoint in
+    `workdir`. `spec_changes` replace fields of its TranslationSpec that hold no weights (the replay's attention)."""
+    step = int(which) if str(which).isdigit() else None
+    if step is None and which not in ("last", "best"):
+        raise MotJaxError(f"which={which!r} is not last, best or a step number; pass one of those.")
+    which = "last" if step is not None else which
     path = as_path(workdir)
     checkpoints = Checkpoints(path, keep=1, create=False)
     manager = checkpoints.best if which == "best" else checkpoints.last
-    step = manager.latest_step() if (path / manager.directory.name).exists() else None
-    if step is None:
+    steps = list(manager.all_steps()) if (path / manager.directory.name).exists() else []
+    if not steps:
         raise MotJaxError(
             f"{path} holds no finished checkpoint ({which}); train there first with python -m mot_jax.train "
             "--config=... --workdir=DIR, or pass the workdir of a run that saved one."
         )
+    if step is not None and step not in steps:
+        raise MotJaxError(
+            f"{path} keeps no checkpoint of step {step}; pick one of steps {', '.join(map(str, sorted(steps)))}, "
+            "last or best."
+        )
+    step = max(steps) if step is None else step
     meta = checkpoints.read_meta(step, which)
     identity = meta["identity"]
-    spec = _dataclass(TranslationSpec, identity["spec"])
+    spec = dataclasses.replace(_dataclass(TranslationSpec, identity["spec"]), **spec_changes)
     tcfg = _dataclass(TranslatorConfig, identity["translator"])
     config = ml_collections.ConfigDict(json.loads(meta["config"]))
     abstract = nnx.eval_shape(lambda: KVTranslator(spec, tcfg, rngs=nnx.Rngs(0)))

@@ -53,6 +53,11 @@ class TranslationSpec:
     dense_bottom: int = 2  # replay: layers below this stay dense
     rotary: bool = False  # un-rotate source keys, translate, re-rotate at target positions
 
+    @property
+    def attention_topk(self) -> int:
+        """Keys per query the replay takes from the source's attention; 0 when the target attends densely."""
+        return self.k_attn if self.mode == "replay" and self.sparse_attention else 0
+
     @classmethod
     def build(cls, mode, channel_map, num_source_layers, num_target_layers, **kwargs):
         if mode not in MODES:
@@ -222,7 +227,7 @@ class CacheTranslator:
             self.target_tokenizer, self.source_tokenizer, np.asarray(target_ids), np.asarray(target_mask)
         )
         spec = self.translator.spec
-        topk = spec.k_attn if spec.mode == "replay" and spec.sparse_attention else 0
+        topk = spec.attention_topk
         source_cache, source_topk = source_prefill(
             self.source, jnp.asarray(source_ids), jnp.asarray(source_mask), topk=topk
         )
