@@ -1,7 +1,8 @@
 """SmolLM2-135M <-> Gemma-3-270M, offline on a CPU: the runs behind RESULTS.md.
 
 The argument picks the run, as a comma list: `replay` (default) or `direct`; `single` (one translator, N=1) or
-`projector` (the C2C-Project baseline) in place of the mixture; `reverse` for Gemma-3 -> SmolLM2; `tiny` to run it
+`projector` (the C2C-Project baseline) in place of the mixture; `skip` for a least-squares-started linear skip beside
+the mixtures (with keys translated un-rotated and no output GELU); `reverse` for Gemma-3 -> SmolLM2; `tiny` to run it
 on tiny random models in seconds.
 
     python -m mot_jax.train --config=configs/smollm2_gemma3.py:replay --workdir=$HOME/runs/s2g_replay
@@ -17,7 +18,7 @@ and the evaluation commands: RESULTS.md.
 from mot_jax.errors import MotJaxError
 from mot_jax.training.config import base, tiny
 
-CHOICES = ("replay", "direct", "single", "projector", "reverse", "tiny")
+CHOICES = ("replay", "direct", "single", "projector", "skip", "reverse", "tiny")
 
 
 def get_config(arg=None):
@@ -44,6 +45,8 @@ def get_config(arg=None):
         c.translator.num_experts = 1
     if "projector" in parts:
         c.translator.kind = "projector"
+    if "skip" in parts:
+        c.translator.update(linear_skip=True, rotary=True, output_activation="none")
     c.data.total_tokens, c.data.prefix_tokens, c.data.source_length = 256, 192, 256
     c.steps, c.batch_size, c.grad_accum = 200, 4, 1
     c.optim.learning_rate, c.optim.warmup_steps = 1e-3, 20

@@ -171,7 +171,7 @@ def test_translate_window_matches(case, models, contexts, tmp_path):
     source, target = models[src][0], models[tgt][0]
     cache, alignment, mask = contexts[src, tgt]
     jt = make(source, target, mode, rotary, num_experts=experts, top_k=k, fused_output=fused, causal=causal,
-              output_activation=act, dispatch=dispatch, seed=len(case))  # fmt: skip
+              output_activation=act, dispatch=dispatch, linear_skip=mode == "direct", seed=len(case))  # fmt: skip
     k_jax, v_jax, _ = window_jax(jt, source, target, cache, alignment, jnp.asarray(mask))
     tt = roundtrip(jt, source, target, tmp_path)
     assert tt.config.apply_rotary == rotary
@@ -197,7 +197,7 @@ def test_projector_window_matches(src, tgt, mode, rotary, act, models, contexts,
     """The C2C-Project baseline (kind="projector") exports as per-layer MLPs with the same window translation."""
     source, target = models[src][0], models[tgt][0]
     cache, alignment, mask = contexts[src, tgt]
-    jt = make(source, target, mode, rotary, kind="projector", output_activation=act, seed=11)
+    jt = make(source, target, mode, rotary, kind="projector", output_activation=act, linear_skip=rotary, seed=11)
     k_jax, v_jax, _ = window_jax(jt, source, target, cache, alignment, jnp.asarray(mask))
     tt = roundtrip(jt, source, target, tmp_path)
     assert isinstance(tt.key, torch_translator.Projector) and tt.config.kind == "projector"

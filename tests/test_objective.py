@@ -50,15 +50,32 @@ def test_native_translation_gives_native_loss(pair, mode, monkeypatch):
     np.testing.assert_allclose(loss, metrics["ce"], rtol=1e-6)
 
 
-def test_masked_mse_and_cross_entropy_closed_form():
+def test_layer_mse_and_cross_entropy_closed_form():
     a = jnp.arange(2 * 3 * 1 * 4 * 2, dtype=jnp.float32).reshape(2, 3, 1, 4, 2)
     mask = np.array([[1, 1, 0, 0], [1, 1, 1, 1], [0, 0, 0, 1]], bool)
-    got = objective.masked_mse(a, jnp.zeros_like(a), mask)
-    expected = np.mean(np.square(np.asarray(a)).transpose(1, 3, 0, 2, 4)[mask])
+    got = objective.layer_mse(a, jnp.zeros_like(a), mask)
+    expected = np.square(np.asarray(a)).transpose(0, 1, 3, 2, 4)[:, mask].reshape(2, -1).mean(1)
     np.testing.assert_allclose(got, expected, rtol=1e-6)
     logits = jnp.log(jnp.asarray([[[0.5, 0.25, 0.25], [0.1, 0.1, 0.8]]]))
     ce = objective.token_cross_entropy(logits, jnp.asarray([[0, 2]]), jnp.asarray([[1.0, 1.0]]))
     np.testing.assert_allclose(ce, -(math.log(0.5) + math.log(0.8)) / 2, rtol=1e-6)
+
+
+def test_unexplained_fraction_is_one_for_the_channel_mean_at_any_layer_scale():
+    """Predicting each channel's mean over the valid tokens leaves all of a layer's variance unexplained (1), whatever
+    the layer's scale (the layers here differ by 10^4)."""
+    rng = np.random.default_rng(0)
+    scales = np.array([1.0, 100.0, 0.01], np.float32)[:, None, None, None, None]
+    native = rng.normal(size=(3, 2, 1, 5, 4)).astype(np.float32) * scales
+    mask = np.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], bool)
+    weight = mask[None, :, None, :, None]
+    mean = (native * weight).sum((1, 3), keepdims=True) / weight.sum((1, 3), keepdims=True)
+    prediction = np.broadcast_to(mean, native.shape)
+    mse = objective.layer_mse(jnp.asarray(prediction), jnp.asarray(native), mask)
+    variance = objective.layer_variance(jnp.asarray(native), mask)
+    np.testing.assert_allclose(mse / variance, np.ones(3), rtol=1e-5)
+    valid = native.transpose(0, 1, 3, 2, 4)[:, mask]  # [L, valid tokens, K, d]
+    np.testing.assert_allclose(variance, valid.var(axis=1).mean((1, 2)), rtol=1e-5)
 
 
 def test_schedule_warmup_then_cosine():

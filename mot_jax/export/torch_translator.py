@@ -63,6 +63,7 @@ class TorchTranslatorConfig:
     top_k: int = 1
     dispatch: str = "sparse"
     capacity_factor: float = 1.25
+    linear_skip: bool = False  # a linear map per window layer beside the mixture or projector, output added
     mode: str = "replay"
     layer_map: tuple = ()
     sparse_attention: bool = True
@@ -347,8 +348,21 @@ def target_positions(mask):
     return torch.clamp(torch.cumsum(mask.long(), dim=1) - 1, min=0)
 
 
+class LinearSkip(nn.Module):
+    """Per window layer, x [B, T, W, ds] @ kernel [W, ds, dt] + bias [W, dt]."""
+
+    def __init__(self, cfg: TorchTranslatorConfig):
+        super().__init__()
+        self.kernel = nn.Parameter(torch.zeros(cfg.window, cfg.source_width, cfg.target_width))
+        self.bias = nn.Parameter(torch.zeros(cfg.window, cfg.target_width))
+
+    def forward(self, x):
+        return torch.einsum("btwi,wio->btwo", x, self.kernel) + self.bias
+
+
 class KVTranslator(nn.Module):
-    """A K and a V mixture or projector (`key`, `value`) and, for rotary translators, the RoPE tables (`rope`)."""
+    """A K and a V mixture or projector (`key`, `value`), with `linear_skip` a linear map beside each (`key_skip`,
+    `value_skip`) and, for rotary translators, the RoPE tables (`rope`)."""
 
     def __init__(self, config: TorchTranslatorConfig | dict):
         super().__init__()
@@ -356,6 +370,8 @@ class KVTranslator(nn.Module):
         self.config = cfg
         module = Projector if cfg.kind == "projector" else Mixture
         self.key, self.value = module(cfg), module(cfg)
+        if cfg.linear_skip:
+            self.key_skip, self.value_skip = LinearSkip(cfg), LinearSkip(cfg)
         self.rope = Rope(cfg) if cfg.apply_rotary else None
 
     @classmethod
@@ -464,7 +480,10 @@ class KVTranslator(nn.Module):
         resample = lambda x: torch.einsum("bts,bsw->btw", weights.float(), x.reshape(b, s, -1).float())
         k = resample(k).reshape(b, t, cfg.window, -1).to(self.dtype)  # [B, T, W, Ks * ds]
         v = resample(v).reshape(b, t, cfg.window, -1).to(self.dtype)
-        k, v = self.key(k, mask), self.value(v, mask)
+        k_in, v_in = k, v
+        k, v = self.key(k_in, mask), self.value(v_in, mask)
+        if cfg.linear_skip:
+            k, v = k + self.key_skip(k_in), v + self.value_skip(v_in)
         k = k.reshape(b, t, cfg.window, cfg.target_kv_heads, cfg.target_head_dim)
         v = v.reshape(b, t, cfg.window, cfg.target_kv_heads, cfg.target_head_dim)
         if cfg.apply_rotary:  # rotate the translated keys at the target positions
@@ -481,4 +500,14 @@ def load(folder, device="cpu", dtype=torch.float32) -> KVTranslator:
     return KVTranslator.from_pretrained(folder, device=device, dtype=dtype)
 
 
-__all__ = ["KVTranslator", "Mixture", "Experts", "Router", "Projector", "TorchTranslatorConfig", "load", "apply_rope"]
+__all__ = [
+    "KVTranslator",
+    "Mixture",
+    "Experts",
+    "Router",
+    "Projector",
+    "LinearSkip",
+    "TorchTranslatorConfig",
+    "load",
+    "apply_rope",
+]

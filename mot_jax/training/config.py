@@ -53,6 +53,10 @@ def base() -> ml_collections.ConfigDict:
     c.translator.top_k = 1
     c.translator.dispatch = "sparse"  # sparse (real top-k dispatch) | dense (the reference)
     c.translator.capacity_factor = 1.25
+    # ours: beside each mixture a linear map per window layer from the aligned source K (or V) to the target's, added
+    # to the mixture's output and set by least squares on the first skip_fit_batches training batches before step 1
+    c.translator.linear_skip = False
+    c.translator.skip_fit_batches = 8
     c.translator.sparse_attention = True  # replay: top-k attention from the source's attention (paper)
     c.translator.k_attn = 32
     c.translator.dense_bottom = 2

@@ -35,7 +35,13 @@ from mot_jax.training.checkpoint import Checkpoints
 from mot_jax.training.optim import adamw
 from mot_jax.translate import channels
 from mot_jax.translate.expert import TranslatorConfig
-from mot_jax.translate.translator import KVTranslator, TranslationSpec, mixture_config
+from mot_jax.translate.translator import (
+    KVTranslator,
+    TranslationSpec,
+    linear_skip_sums,
+    mixture_config,
+    solve_linear_skip,
+)
 
 TRANSLATOR_KEYS = [f.name for f in dataclasses.fields(TranslatorConfig)]
 
@@ -156,6 +162,7 @@ class Trainer:
         self._train = jax.jit(self._train_step, donate_argnums=(0,), out_shardings=(state_sharding, None))
         self._eval = jax.jit(self._eval_step)
         self._baselines = jax.jit(self._baseline_step)
+        self._skip_sums = jax.jit(self._skip_sums_step)
 
     # -- pure functions (traced) --
     def _models(self, params, llm_states):
@@ -205,6 +212,11 @@ class Trainer:
             translated=self._eval_step(params, llm_states, batch)["ce"],
         )
 
+    def _skip_sums_step(self, params, llm_states, batch):
+        translator, source, target = self._models(params, llm_states)
+        source_cache, _, native = objective.frozen_forwards(source, target, batch, topk=0)
+        return linear_skip_sums(translator, source, target, source_cache, batch.alignment, native, batch.context_mask)
+
     # -- host side --
     def place(self, batch, micro: bool):
         """This process's rows of a numpy batch (all rows in a single process) -> global device arrays, the batch
@@ -226,6 +238,22 @@ class Trainer:
 
     def baselines(self, batches) -> dict:
         return self.evaluate(batches, self._baselines)
+
+    def fit_linear_skip(self, batches) -> dict:
+        """Set the K and V linear skips to the least-squares fit of the native K/V left over by the (untrained)
+        mixtures on `batches`; returns {"key"/"value": (residual MSE before, after)} on those batches."""
+        parts = [jax.device_get(self._skip_sums(self.state["params"], self.llm_states, self.place(b, micro=False)))
+                 for b in batches]  # fmt: skip
+        translator = nnx.merge(self.graphdef, self.state["params"])
+        errors = {}
+        for name in ("key", "value"):
+            sums = jax.tree.map(lambda *a: np.sum(np.asarray(a, np.float64), 0), *(p[name] for p in parts))
+            kernel, bias, *errors[name] = solve_linear_skip(sums)
+            skip = getattr(translator, f"{name}_skip")
+            for var, value in ((skip.kernel, kernel), (skip.bias, bias)):
+                var.set_value(jax.device_put(value.astype(var.dtype), var[...].sharding))
+        self.state["params"] = nnx.state(translator, nnx.Param)
+        return errors
 
 
 def stack(batches: list) -> dict:
@@ -299,7 +327,7 @@ def resolve_channels(config, pair, datasets, mesh, workdir) -> channels.ChannelM
 
 
 # TranslatorConfig fields added after runs were saved, with the value those runs had, so that they still resume
-ADDED_TRANSLATOR_FIELDS = {"kind": "mot"}
+ADDED_TRANSLATOR_FIELDS = {"kind": "mot", "linear_skip": False}
 
 
 def check_identity(saved: dict, current: dict, workdir: epath.Path):
@@ -394,6 +422,8 @@ def train_and_evaluate(config, workdir) -> dict:
         logging.info("Resumed from step %d in %s", start, workdir)
         initial, best = meta["initial_validation"], meta["best_validation_loss"]
     else:
+        if tcfg.linear_skip:
+            start_linear_skip(trainer, datasets.train, config.translator.skip_fit_batches)
         initial = trainer.evaluate(validation) | dict(held_out_ce=trainer.evaluate(held_out)["ce"])
         best = math.inf
         if jax.process_index() == 0:
@@ -454,6 +484,20 @@ def train_and_evaluate(config, workdir) -> dict:
             f"{results['no_context']:.4f}; checkpoints in {workdir / 'checkpoints'}"
         )
     return summary
+
+
+def start_linear_skip(trainer: Trainer, stream, num_batches: int):
+    """The least-squares start of the linear skips, on the first `num_batches` training batches (logged)."""
+    if num_batches < 1:
+        raise MotJaxError(
+            f"translator.skip_fit_batches={num_batches} leaves nothing to fit the linear skip on; pass at least 1."
+        )
+    began = time.perf_counter()
+    errors = trainer.fit_linear_skip([stream.batch(i) for i in range(num_batches)])
+    logging.info(
+        "Linear skip fitted by least squares on %d batches in %.0f s: mean squared error of K %.4f -> %.4f, V %.4f -> "
+        "%.4f", num_batches, time.perf_counter() - began, *errors["key"], *errors["value"],
+    )  # fmt: skip
 
 
 def as_path(workdir) -> epath.Path:

@@ -4,6 +4,10 @@ loss = CE(prompt labels | translated cache) + lambda * (MSE_K + MSE_V) + router 
 compare the target's cache built from the translation (replay: its own recomputed K/V; direct: the translated K/V)
 with its clean prefill of the same context, over the layers from the first window layer to the top (direct: all),
 context tokens only, mean over every element. Only the translator receives gradients.
+
+Also reported, not in the loss: `unexplained_k` / `unexplained_v`, each layer's MSE over that layer's native variance in
+the batch (1 - R^2), averaged over layers: a fidelity that does not depend on the models' activation scales, above 1
+when the translation is further off than predicting every channel's mean would be.
 """
 
 from __future__ import annotations
@@ -30,11 +34,18 @@ def frozen_forwards(source, target, batch, topk: int):
     return source_cache, source_topk, native
 
 
-def masked_mse(a, b, mask):
-    """Mean of (a - b)^2 over [L, B, K, T, d] elements whose token (mask [B, T]) is valid."""
+def layer_mse(a, b, mask):
+    """[L] mean of (a - b)^2 per layer over [L, B, K, T, d] elements whose token (mask [B, T]) is valid."""
     weight = mask[None, :, None, :, None].astype(jnp.float32)
     diff = jnp.square(a.astype(jnp.float32) - b.astype(jnp.float32)) * weight
-    return diff.sum() / jnp.maximum(weight.sum() * a.shape[0] * a.shape[2] * a.shape[4], 1.0)
+    return diff.sum((1, 2, 3, 4)) / jnp.maximum(weight.sum() * a.shape[2] * a.shape[4], 1.0)
+
+
+def layer_variance(x, mask):
+    """[L] variance per layer of the valid tokens of x [L, B, K, T, d], around each channel's mean."""
+    weight = mask[None, :, None, :, None].astype(jnp.float32)
+    mean = (x * weight).sum((1, 3), keepdims=True) / jnp.maximum(weight.sum((1, 3), keepdims=True), 1.0)
+    return layer_mse(x, mean, mask)
 
 
 def token_cross_entropy(logits, labels, mask):
@@ -62,13 +73,17 @@ def context_correction(translator, source, target, batch, frozen, weights: LossW
     ce = prompt_cross_entropy(target, cache, batch)
     first = 0 if spec.mode == "direct" else min(spec.target_layers)
     context = lambda kv: kv[first:, :, :, :context_length]  # noqa: E731
-    mse_k = masked_mse(context(cache.k), native.k[first:], batch.context_mask)
-    mse_v = masked_mse(context(cache.v), native.v[first:], batch.context_mask)
+    errors = {}
+    for name, got, want in (("k", cache.k, native.k), ("v", cache.v, native.v)):
+        mse = layer_mse(context(got), want[first:], batch.context_mask)
+        unexplained = mse / jnp.maximum(layer_variance(want[first:], batch.context_mask), 1e-12)
+        errors |= {f"mse_{name}": mse.mean(), f"unexplained_{name}": unexplained.mean()}
     routed = [a for a in aux.values() if a]  # the K and V mixtures' aux outputs (empty with one expert)
     load_balance = sum((a["load_balance_loss"] for a in routed), jnp.zeros(()))
     z_loss = sum((a["z_loss"] for a in routed), jnp.zeros(()))
-    loss = ce + weights.correction * (mse_k + mse_v) + weights.load_balance * load_balance + weights.z_loss * z_loss
-    metrics = dict(loss=loss, ce=ce, mse_k=mse_k, mse_v=mse_v, load_balance=load_balance, z_loss=z_loss)
+    correction = errors["mse_k"] + errors["mse_v"]
+    loss = ce + weights.correction * correction + weights.load_balance * load_balance + weights.z_loss * z_loss
+    metrics = dict(loss=loss, ce=ce, **errors, load_balance=load_balance, z_loss=z_loss)
     if routed:
         metrics["dropped_tokens"] = sum(a["stats"]["dropped"] for a in routed).astype(jnp.float32)
         metrics["load_cv2"] = sum(a["stats"]["load_cv2"] for a in routed) / len(routed)

@@ -44,6 +44,7 @@ class TranslatorConfig:
     top_k: int = 1
     dispatch: str = "sparse"  # "sparse" (only routed tokens' queries) | "dense" (every expert on every token)
     capacity_factor: float = 1.25  # sparse: slots per expert and row = ceil(factor * k * T / N), at most T
+    linear_skip: bool = False  # ours: a linear map per window layer beside the translator, fitted by least squares
 
     @property
     def router_hidden(self):

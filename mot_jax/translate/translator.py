@@ -11,8 +11,10 @@ from that token alone (it attends only to itself, so nothing needs translating; 
 attention sink every later token reads), and sparse attention always lets a query see it. The quickstart's translator
 (SmolLM2 -> Gemma-3, 100 steps) keeps 72% of native extractive F1 with them, 60% with the reference's handling.
 
-`KVTranslator` holds the trainable parameters (a K and a V mixture, or projector); `translate` is the jittable function
-that training and evaluation share; `CacheTranslator` is the user-facing object that starts from text.
+`KVTranslator` holds the trainable parameters (a K and a V mixture, or projector, and with `linear_skip` a linear map
+per window layer beside each, set by least squares before training: `linear_skip_sums`, `solve_linear_skip`);
+`translate` is the jittable function that training and evaluation share; `CacheTranslator` is the user-facing object
+that starts from text.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from mot_jax.errors import MotJaxError
 from mot_jax.jit import jit
 from mot_jax.models import decoder
 from mot_jax.models.base import CausalLM, Injection, first_valid_index
-from mot_jax.models.layers import apply_rope
+from mot_jax.models.layers import apply_rope, param
 from mot_jax.translate import align as alignment_lib
 from mot_jax.translate import channels
 from mot_jax.translate.expert import TranslatorConfig
@@ -83,8 +85,22 @@ def mixture_config(spec: TranslationSpec, source: CausalLM, target: CausalLM, **
     )
 
 
+class LinearSkip(nnx.Module):
+    """Per window layer, y = x @ kernel + bias from the aligned source vectors [B, T, W, ds] to [B, T, W, dt]; zero
+    until training starts it at the least-squares fit (`solve_linear_skip`)."""
+
+    def __init__(self, cfg: TranslatorConfig, *, dtype=jnp.float32):
+        shape = (cfg.window, cfg.source_width, cfg.target_width)
+        self.kernel = param(None, shape, ("layers", None, None), dtype, "zeros")
+        self.bias = param(None, (cfg.window, cfg.target_width), ("layers", None), dtype, "zeros")
+
+    def __call__(self, x):
+        return jnp.einsum("btwi,wio->btwo", x, self.kernel[...]) + self.bias[...]
+
+
 class KVTranslator(nnx.Module):
-    """Separate mixtures for K and V, as the paper (or, `cfg.kind="projector"`, the C2C-Project baseline's MLPs)."""
+    """Separate mixtures for K and V, as the paper (or, `cfg.kind="projector"`, the C2C-Project baseline's MLPs), and
+    with `cfg.linear_skip` a linear map beside each whose output is added to theirs."""
 
     def __init__(self, spec: TranslationSpec, cfg: TranslatorConfig, *, rngs, dtype=jnp.float32):
         if spec.rotary and cfg.output_activation != "none":
@@ -94,6 +110,16 @@ class KVTranslator(nnx.Module):
         self.spec, self.cfg = spec, cfg
         self.key = KINDS[cfg.kind](cfg, rngs=rngs, dtype=dtype)
         self.value = KINDS[cfg.kind](cfg, rngs=rngs, dtype=dtype)
+        if cfg.linear_skip:
+            self.key_skip, self.value_skip = LinearSkip(cfg, dtype=dtype), LinearSkip(cfg, dtype=dtype)
+
+    def __call__(self, k, v, mask):
+        """Aligned source window vectors k, v [B, T, W, ds] -> translated k, v [B, T, W, dt] and the aux outputs."""
+        k_out, aux_k = self.key(k, mask)
+        v_out, aux_v = self.value(v, mask)
+        if self.cfg.linear_skip:
+            k_out, v_out = k_out + self.key_skip(k), v_out + self.value_skip(v)
+        return k_out, v_out, {"key": aux_k, "value": aux_v}
 
 
 def rope_or_none(model: CausalLM):
@@ -121,23 +147,81 @@ def first_token_kv(target: CausalLM, target_ids, first, layers):
     return cache.k[pick], cache.v[pick]
 
 
+def rotary_tables(spec: TranslationSpec, source: CausalLM, target: CausalLM):
+    """(source, target) RoPE tables when keys are translated un-rotated (spec.rotary and both models rotary), else
+    (None, None)."""
+    source_freq, target_freq = rope_or_none(source), rope_or_none(target)
+    if spec.rotary and source_freq is not None and target_freq is not None:
+        return source_freq, target_freq
+    return None, None
+
+
+def window_inputs(spec: TranslationSpec, source: CausalLM, target: CausalLM, source_cache, alignment):
+    """The translator's inputs: the window's source K (un-rotated for rotary specs) and V on the target grid, each
+    [B, T, W, Ks * ds]."""
+    source_freq, _ = rotary_tables(spec, source, target)
+    k = window_block(source_cache.k, spec.source_layers, source_cache.positions, source_freq)
+    v = window_block(source_cache.v, spec.source_layers)
+    return alignment_lib.resample(k, alignment.weights), alignment_lib.resample(v, alignment.weights)
+
+
 def translate_window(translator: KVTranslator, source: CausalLM, target: CausalLM, source_cache, alignment, mask):
     """The translated window K/V, each [W, B, Kt, T, dt], and the mixtures' aux outputs {"key": .., "value": ..}."""
     spec, t = translator.spec, target.config
-    rotary = spec.rotary and rope_or_none(source) is not None and rope_or_none(target) is not None
-    src_freq = rope_or_none(source) if rotary else None
-    k = window_block(source_cache.k, spec.source_layers, source_cache.positions, src_freq)
-    v = window_block(source_cache.v, spec.source_layers)
-    k, v = alignment_lib.resample(k, alignment.weights), alignment_lib.resample(v, alignment.weights)
-    k, aux_k = translator.key(k, mask)
-    v, aux_v = translator.value(v, mask)
+    k, v, aux = translator(*window_inputs(spec, source, target, source_cache, alignment), mask)
     heads = lambda y: y.reshape(*y.shape[:3], t.num_kv_heads, t.head_dim)  # noqa: E731
     k, v = heads(k), heads(v)  # [B, T, W, Kt, dt]
-    if rotary:
-        freq, pos = rope_or_none(target), target_positions(mask)
-        k = jnp.stack([apply_rope(k[:, :, i], pos, freq[li]) for i, li in enumerate(spec.target_layers)], 2)
+    _, target_freq = rotary_tables(spec, source, target)
+    if target_freq is not None:
+        pos = target_positions(mask)
+        k = jnp.stack([apply_rope(k[:, :, i], pos, target_freq[li]) for i, li in enumerate(spec.target_layers)], 2)
     to_cache = lambda y: y.transpose(2, 0, 3, 1, 4).astype(target.param_dtype)  # noqa: E731
-    return to_cache(k), to_cache(v), {"key": aux_k, "value": aux_v}
+    return to_cache(k), to_cache(v), aux
+
+
+def linear_skip_sums(translator: KVTranslator, source: CausalLM, target: CausalLM, source_cache, alignment, native,
+                     mask):  # fmt: skip
+    """Sufficient statistics of one batch for `solve_linear_skip`, per "key" and "value": over the valid tokens except
+    each row's first (whose K/V are the target's own), the count `n`, sums `x` [W, ds], `r` [W, dt], `rr` [W] and
+    products `xx` [W, ds, ds], `xr` [W, ds, dt], where x are the aligned source window vectors and r the target's
+    native K/V (`native`, its cache of the same context; keys un-rotated for rotary specs) less the mixture's output."""
+    spec = translator.spec
+    inputs = window_inputs(spec, source, target, source_cache, alignment)
+    _, target_freq = rotary_tables(spec, source, target)
+    wanted = (
+        window_block(native.k, spec.target_layers, target_positions(mask), target_freq),
+        window_block(native.v, spec.target_layers),
+    )
+    weight = mask & (jnp.arange(mask.shape[1]) != first_valid_index(mask)[:, None])
+    w = weight[:, :, None, None].astype(jnp.float32)
+    sums = {}
+    for name, x, want in zip(("key", "value"), inputs, wanted):
+        x = x.astype(jnp.float32)
+        r = want.astype(jnp.float32) - getattr(translator, name)(x, mask)[0].astype(jnp.float32)
+        sums[name] = dict(
+            n=weight.sum(), x=(x * w).sum((0, 1)), r=(r * w).sum((0, 1)), rr=(r * r * w).sum((0, 1, 3)),
+            xx=jnp.einsum("btwi,btwj->wij", x * w, x), xr=jnp.einsum("btwi,btwo->wio", x * w, r),
+        )  # fmt: skip
+    return sums
+
+
+def solve_linear_skip(sums: dict, ridge: float = 1e-3):
+    """Least squares from summed statistics (`linear_skip_sums`, added over batches): per window layer the kernel and
+    bias minimising the mean squared residual, with a ridge of `ridge` x the mean input variance for stability.
+    Returns (kernel [W, ds, dt], bias [W, dt], residual MSE before, after), in float64."""
+    n = float(sums["n"])
+    mx, mr = np.asarray(sums["x"], np.float64) / n, np.asarray(sums["r"], np.float64) / n
+    cov = np.asarray(sums["xx"], np.float64) / n - mx[:, :, None] * mx[:, None, :]
+    cross = np.asarray(sums["xr"], np.float64) / n - mx[:, :, None] * mr[:, None, :]
+    eye = np.eye(cov.shape[-1])
+    reg = ridge * np.trace(cov, axis1=1, axis2=2)[:, None, None] / cov.shape[-1] * eye
+    kernel = np.linalg.solve(cov + reg, cross)
+    bias = mr - np.einsum("wi,wio->wo", mx, kernel)
+    before = np.asarray(sums["rr"], np.float64).sum() / n / mr.size  # mean of r^2 over tokens, layers, channels
+    # the fit removes the mean of r (bias) and the part of its variance that x explains
+    explained = 2 * np.einsum("wio,wio->", cross, kernel) - np.einsum("wio,wij,wjo->", kernel, cov, kernel)
+    after = before - (np.square(mr).sum() + explained) / mr.size
+    return kernel, bias, before, after
 
 
 def sparse_indices(spec: TranslationSpec, source_topk, alignment, first):

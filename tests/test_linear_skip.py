@@ -1,0 +1,84 @@
+"""The linear skip beside the mixtures: its least-squares fit against the translated K/V it produces."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from training_helpers import tiny_batch
+
+from mot_jax.models import tiny
+from mot_jax.training import objective
+from mot_jax.translate import channels
+from mot_jax.translate.translator import (
+    KVTranslator,
+    TranslationSpec,
+    linear_skip_sums,
+    mixture_config,
+    solve_linear_skip,
+    translate_window,
+)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    source, _, source_tok = tiny.load("random:llama")
+    target, _, target_tok = tiny.load("random:gemma3")
+    # 4 rows of 40 context tokens: more fitted tokens than the 32 source features of a window layer
+    return source, target, tiny_batch(source_tok, target_tok, batch=4, context=40, source_length=160)
+
+
+def window_error(translator, source, target, batch, frozen):
+    """Mean squared error of the translated window K and V against the native cache, over the context's valid tokens
+    except each row's first (computed through translate_window, the path the cache takes)."""
+    source_cache, _, native = frozen
+    mask = jnp.asarray(batch.context_mask)
+    k, v, _ = translate_window(translator, source, target, source_cache, batch.alignment, mask)
+    layers = np.asarray(translator.spec.target_layers)
+    tokens = mask.at[:, 0].set(False)
+    return [objective.layer_mse(got, want[layers], tokens).mean() for got, want in ((k, native.k), (v, native.v))]
+
+
+@pytest.mark.parametrize("mode, rotary", [("direct", True), ("replay", False)])
+def test_least_squares_skip_minimises_the_translated_kv_error(pair, mode, rotary):
+    """After the fit, the translated K/V error (through the whole window path, re-rotation included) is at a minimum
+    over the skips' parameters (zero gradient), lower than before, and equal to what the solve reports."""
+    source, target, batch = pair
+    ls, lt = source.config.num_layers, target.config.num_layers
+    spec = TranslationSpec.build(mode, channels.terminal(ls, lt, 0.5), ls, lt, rotary=rotary, sparse_attention=False)
+    cfg = mixture_config(spec, source, target, dim=16, heads=2, depth=1, num_experts=2, output_activation="none",
+                         linear_skip=True)  # fmt: skip
+    translator = KVTranslator(spec, cfg, rngs=nnx.Rngs(0))
+    frozen = objective.frozen_forwards(source, target, batch, topk=0)
+    before = window_error(translator, source, target, batch, frozen)
+
+    sums = linear_skip_sums(translator, source, target, frozen[0], batch.alignment, frozen[2],
+                            jnp.asarray(batch.context_mask))  # fmt: skip
+    reported = {}
+    for name in ("key", "value"):
+        kernel, bias, *reported[name] = solve_linear_skip(jax.device_get(sums[name]), ridge=1e-9)
+        skip = getattr(translator, f"{name}_skip")
+        skip.kernel.set_value(jnp.asarray(kernel, jnp.float32))
+        skip.bias.set_value(jnp.asarray(bias, jnp.float32))
+    after = window_error(translator, source, target, batch, frozen)
+
+    for i, name in enumerate(("key", "value")):
+        np.testing.assert_allclose(reported[name], [before[i], after[i]], rtol=2e-3)
+        assert after[i] < 0.9 * before[i], (name, before[i], after[i])
+
+    graphdef, params = nnx.split(translator, nnx.Param)
+    skips = {name: params[f"{name}_skip"] for name in ("key", "value")}
+
+    def error(skips, i):
+        p = nnx.merge_state(params, nnx.State({f"{n}_skip": s for n, s in skips.items()}))
+        return window_error(nnx.merge(graphdef, p), source, target, batch, frozen)[i]
+
+    for i, name in enumerate(("key", "value")):
+        grad = jax.grad(error)(skips, i)[name]
+        at_zero = jax.grad(error)(jax.tree.map(jnp.zeros_like, skips), i)[name]
+        norm = lambda tree: float(optax_norm(tree))  # noqa: E731
+        assert norm(grad) < 1e-3 * norm(at_zero), (name, norm(grad), norm(at_zero))
+
+
+def optax_norm(tree):
+    return jnp.sqrt(sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(tree)))
