@@ -100,8 +100,9 @@ def test_workdir_round_trip_export_and_resume_with_another_kind(tmp_path):
         loop.train_and_evaluate(load_config(steps=4, **(overrides | {"translator.kind": "mot"})), tmp_path / "run")
 
 
-def test_runs_saved_before_the_kind_key_still_resume_as_mixtures(tmp_path):
-    current = {"translator": {"dim": 32, "kind": "mot"}}
+def test_runs_saved_before_the_kind_and_linear_skip_keys_still_resume_as_mixtures_without_skip(tmp_path):
+    current = {"translator": {"dim": 32, "kind": "mot", "linear_skip": False}}
     loop.check_identity({"translator": {"dim": 32}}, current, tmp_path)  # no error
-    with pytest.raises(MotJaxError, match="differs in: translator"):
-        loop.check_identity({"translator": {"dim": 32}}, {"translator": {"dim": 32, "kind": "projector"}}, tmp_path)
+    for changed in ({"kind": "projector"}, {"linear_skip": True}):
+        with pytest.raises(MotJaxError, match="differs in: translator"):
+            loop.check_identity({"translator": {"dim": 32}}, {"translator": current["translator"] | changed}, tmp_path)
