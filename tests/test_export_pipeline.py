@@ -159,3 +159,36 @@ def test_offline_real_pair_in_transformers_equals_mot_jax(tmp_path):
                          do_sample=False)  # fmt: skip
     got = out[0, full.shape[1] :].tolist()
     assert got == expected[: len(got)] and len(got) >= NEW_TOKENS // 2, (got, expected)
+
+
+SHORT = "Ships pass at dawn."
+
+
+@pytest.mark.parametrize("mode", ["replay", "direct"])
+def test_every_row_of_a_mixed_length_batch_generates_as_it_does_alone(models, mode, tmp_path):
+    """from_text([short, long]) then one generate call: each row's greedy tokens equal that text's single-row run
+    (a Gemma-3 target: its sliding layers keep only the last slots of the padded batch)."""
+    (source, source_hf, source_tok), (target, target_hf, target_tok) = models["random:llama"], models["random:gemma3"]
+    spec = TranslationSpec.build(mode, channels.terminal(4, 4, 0.5), 4, 4, k_attn=4, dense_bottom=1)
+    cfg = mixture_config(spec, source, target, dim=32, heads=4, depth=1, mlp_ratio=2, num_experts=2, dispatch="dense")
+    weights.export(KVTranslator(spec, cfg, rngs=nnx.Rngs(3)), source, target, tmp_path / "exported")
+    pipe = CachePipeline(
+        source_hf, target_hf, source_tok, target_tok, TorchKVTranslator.from_pretrained(tmp_path / "exported")
+    )
+    question = torch.as_tensor([target_tok.encode(" Who counts ships?", add_special_tokens=False).ids])
+
+    def greedy(texts):
+        cache, ids, mask = pipe.from_text(texts)
+        asked = question.expand(len(texts), -1)
+        full = torch.cat([ids, asked], 1)
+        out = target_hf.generate(
+            input_ids=full, attention_mask=torch.cat([mask, torch.ones_like(asked)], 1),
+            cache=cache, max_new_tokens=8, do_sample=False, pad_token_id=0,
+        )  # fmt: skip
+        return out[:, full.shape[1] :].tolist()
+
+    texts = [SHORT, TEXT]
+    assert len(target_tok.encode(SHORT).ids) < len(target_tok.encode(TEXT).ids) - 20
+    batched = greedy(texts)
+    for row, text in enumerate(texts):
+        assert batched[row] == greedy([text])[0], (row, batched, greedy([text]))

@@ -2,14 +2,21 @@
 
     translator = KVTranslator.from_pretrained("exported/")              # written by python -m mot_jax.export
     pipe = CachePipeline(source, target, source_tokenizer, target_tokenizer, translator)
-    cache, ids, mask = pipe.from_text(["The passage ..."])               # a transformers DynamicCache
-    out = target.generate(torch.cat([ids, question_ids], 1), cache=cache, max_new_tokens=20)
+    cache, ids, mask = pipe.from_text(["The passage ...", "Another ..."])  # a DynamicCache, left-padded rows
+    ones = torch.ones_like(question_ids)                                 # the same question [B, Q] for every row
+    out = target.generate(torch.cat([ids, question_ids], 1), attention_mask=torch.cat([mask, ones], 1),
+                          cache=cache, max_new_tokens=20)
 
 `direct`: the translated K/V of every target layer are the cache. `replay`: the transformers target runs over its
 context with the translated K/V read by the window layers' attention (a registered attention function) and sparse
 top-k attention from the source's attention where the translator was trained with it; the cache it builds (its own
-recomputed K/V) is handed on, as in `mot_jax.translate.translator`. The models must use eager attention
-(`attn_implementation="eager"`): the source's attention weights pick the sparse keys.
+recomputed K/V) is handed on, as in `mot_jax.translate.translator`.
+
+The translation runs on right-padded contexts (each row's positions count from slot 0, as mot_jax); the cache handed
+back is left-padded, the layout transformers' batched generation expects: every row's context ends at the last slot,
+so the tokens that follow continue it at the same slot in every row and a sliding layer's last slots are each row's
+own. `left_padded` gives the ids and mask of that layout; pass the mask to `generate`. The models must use eager
+attention (`attn_implementation="eager"`): the source's attention weights pick the sparse keys.
 """
 
 from __future__ import annotations
@@ -72,6 +79,30 @@ def _cache_layers(cache):
     return [(layer.keys, layer.values) for layer in cache.layers]
 
 
+def left_padded(ids, mask):
+    """Right-padded ids and mask [B, T] -> the left-padded layout of the caches this module returns (torch, long)."""
+    ids, mask = torch.as_tensor(np.asarray(ids), dtype=torch.long), torch.as_tensor(np.asarray(mask), dtype=torch.long)
+    return _shift_right(ids[:, None, :, None], mask)[:, 0, :, 0], _shift_right(mask[:, None, :, None], mask)[:, 0, :, 0]
+
+
+def _shift_right(x, mask):
+    """[B, H, T, D] right-padded along T -> each row's valid slots moved to the end (its padding wraps to the front,
+    where the mask hides it)."""
+    length = x.shape[2]
+    shift = length - mask.sum(-1)  # [B]
+    source = (torch.arange(length)[None] - shift[:, None]) % length  # [B, T]: new slot t takes old slot source[t]
+    return torch.take_along_dim(x, source[:, None, :, None].to(x.device), dim=2)
+
+
+def _left_padded_cache(config, layers, mask):
+    """A DynamicCache for `config` of full-length right-padded (K, V) per layer, left-padded (sliding layers then
+    keep each row's own last slots)."""
+    cache = DynamicCache(config=config)
+    for layer, (k, v) in enumerate(layers):
+        cache.update(_shift_right(k, mask), _shift_right(v, mask), layer)
+    return cache
+
+
 def head_averaged_topk(attentions, k):
     """Per layer, the k keys each query attends to most, averaged over heads: [L, B, S, k] (ties: lower index)."""
     probs = torch.stack([a.float().mean(1) for a in attentions])  # [L, B, S, S]
@@ -108,14 +139,15 @@ class CachePipeline:
                 raise ValueError(f"The {name} model must be loaded with attn_implementation='eager'.")
 
     def from_text(self, texts):
-        """(DynamicCache, target ids [B, T], mask [B, T]) of right-padded contexts (the target tokenizer's own
+        """(DynamicCache, target ids [B, T], mask [B, T]) of the contexts, left-padded (the target tokenizer's own
         special tokens, e.g. a BOS, as mot_jax's CacheTranslator)."""
         ids, mask = encode_texts(self.target_tokenizer, texts)
-        return self.from_target_ids(ids, mask), torch.as_tensor(ids, dtype=torch.long), torch.as_tensor(mask)
+        return self.from_target_ids(ids, mask), *left_padded(ids, mask)
 
     @torch.no_grad()
     def from_target_ids(self, target_ids, target_mask):
-        """The target cache of target-tokenized contexts; the source reads the same text (decoded, re-encoded)."""
+        """The target cache (left-padded: `left_padded`) of right-padded target-tokenized contexts; the source reads
+        the same text (decoded, re-encoded)."""
         target_ids, target_mask = np.asarray(target_ids), np.asarray(target_mask, bool)
         if not target_mask[:, 0].all():
             raise ValueError("Target contexts must be right-padded (transformers counts positions from slot 0).")
@@ -149,10 +181,7 @@ class CachePipeline:
         for slot, layer in enumerate(cfg.target_layers):
             k[slot][:, :, :1], v[slot][:, :, :1] = own[layer][0].to(k.dtype), own[layer][1].to(v.dtype)
         if cfg.mode == "direct":
-            cache = DynamicCache(config=self.target.config)
-            for layer in range(cfg.target_num_layers):
-                cache.update(k[layer], v[layer], layer)
-            return cache
+            return _left_padded_cache(self.target.config, list(zip(k, v)), mask)
         allowed = None
         if cfg.sparse_attention:
             if source_attentions is None:
@@ -168,8 +197,8 @@ class CachePipeline:
         _replay = dict(slot=slot, k=k, v=v, allowed=allowed, dense_bottom=cfg.dense_bottom)
         try:
             with _attention(self.target, ATTENTION):
-                cache = DynamicCache(config=self.target.config)
+                cache = DynamicCache()  # full-length layers: the sliding ones are cut after the shift
                 self.target(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True)
         finally:
             _replay = None
-        return cache
+        return _left_padded_cache(self.target.config, _cache_layers(cache), mask)
