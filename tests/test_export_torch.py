@@ -101,9 +101,7 @@ def test_mixtures_and_routers_match(case, models, tmp_path):
     mask[1, 8:], mask[2, :4] = False, False  # right and left padding
     diffs = {}
     for name in ("key", "value"):
-        y, aux = mixture_jax(getattr(jt, name), x, jnp.asarray(mask))
-        if dispatch == "sparse":
-            assert int(aux["stats"]["dropped"]) == 0
+        y, _ = mixture_jax(getattr(jt, name), x, jnp.asarray(mask))
         with torch.no_grad():
             xt, mt = torch.tensor(np.asarray(x)), torch.from_numpy(mask)
             diffs[name] = max_diff(y, getattr(tt, name)(xt, mt))
@@ -114,8 +112,8 @@ def test_mixtures_and_routers_match(case, models, tmp_path):
     assert max(diffs.values()) < ATOL, diffs
 
 
-def test_sparse_capacity_drops_match(models, tmp_path):
-    """A small capacity drops tokens in JAX; the torch module drops the same ones."""
+def test_sparse_queues_over_capacity_match(models, tmp_path):
+    """Queues longer than a small first capacity take a larger one in JAX (dropless); torch, dense, agrees."""
     source, target = models["llama"][0], models["gemma3"][0]
     jt = make(source, target, num_experts=4, top_k=2, dispatch="sparse", capacity_factor=0.5, seed=3)
     tt = roundtrip(jt, source, target, tmp_path)
@@ -123,10 +121,10 @@ def test_sparse_capacity_drops_match(models, tmp_path):
     mask = np.ones((2, 16), bool)
     mask[1, 12:] = False
     y, aux = mixture_jax(jt.key, x, jnp.asarray(mask))
-    assert int(aux["stats"]["dropped"]) > 0
+    assert int(aux["stats"]["capacity"]) > jt.cfg.capacities(16)[0]
     with torch.no_grad():
         diff = max_diff(y, tt.key(torch.tensor(np.asarray(x)), torch.from_numpy(mask)))
-    print(f"\n[sparse-drops] max |jax - torch| {diff:.2e} ({int(aux['stats']['dropped'])} dropped)")
+    print(f"\n[sparse-overflow] max |jax - torch| {diff:.2e} ({int(aux['stats']['capacity'])} slots)")
     assert diff < ATOL
 
 

@@ -13,8 +13,7 @@ source tokens onto the target's T tokens (the `Alignment.weights` of `mot_jax.tr
 translated K and V of the window's target layers (`config.target_layers`), each [W, B, Kt, T, dt].
 
 Every parameter keeps the JAX layout and name: leading [expert] or [expert, block] axes, Linear kernels [in, out].
-Each expert runs on every token (dense); for a translator trained with sparse dispatch, the tokens that the JAX
-sparse path drops (over an expert's capacity) are dropped here too, so both dispatches match exactly. A translator
+Each expert runs on every token (dense): the JAX sparse dispatch is dropless, so it gives the same numbers. A translator
 of `kind="projector"` (the C2C-Project baseline) holds a `Projector` per K and V instead of a `Mixture`.
 """
 
@@ -112,12 +111,6 @@ class TorchTranslatorConfig:
     def apply_rotary(self) -> bool:
         """Keys are un-rotated before and re-rotated after translation (the spec asks and both models use RoPE)."""
         return self.rotary and self.source_rotary and self.target_rotary
-
-    def capacity(self, length: int) -> int:
-        """Query slots per expert and batch row of the JAX sparse dispatch (tokens beyond them are dropped)."""
-        if self.dispatch == "dense" or self.num_experts == 1:
-            return length
-        return min(length, -(-int(self.capacity_factor * self.top_k * length) // self.num_experts))
 
     @classmethod
     def from_dict(cls, d: dict) -> TorchTranslatorConfig:
@@ -285,15 +278,12 @@ class Mixture(nn.Module):
 
     def routing_weights(self, logits, mask):
         """[B, T, N] combination weights: softmax over the top-k logits (ties: lower expert first, as
-        jax.lax.top_k), zero outside the top k, for padding tokens and (sparse) for tokens over capacity."""
+        jax.lax.top_k), zero outside the top k and for padding tokens."""
         cfg = self.cfg
         top_logits, top_experts = torch.sort(logits, dim=-1, descending=True, stable=True)
         top_logits, top_experts = top_logits[..., : cfg.top_k], top_experts[..., : cfg.top_k]
         weights = torch.zeros_like(logits).scatter(-1, top_experts, torch.softmax(top_logits, dim=-1))
-        chosen = torch.zeros_like(logits, dtype=torch.bool).scatter(-1, top_experts, True) & mask[..., None]
-        if cfg.dispatch == "sparse":  # each expert serves the first `capacity` routed tokens of each row
-            chosen = chosen & (torch.cumsum(chosen.int(), dim=1) - 1 < cfg.capacity(logits.shape[1]))
-        return torch.where(chosen, weights, 0.0)
+        return weights * mask[..., None]
 
     def forward(self, x, token_mask=None):
         """x [B, T, W, ds] (source K or V on the target token grid), token_mask [B, T] -> y [B, T, W, dt]."""

@@ -85,6 +85,7 @@ def context_correction(translator, source, target, batch, frozen, weights: LossW
     loss = ce + weights.correction * correction + weights.load_balance * load_balance + weights.z_loss * z_loss
     metrics = dict(loss=loss, ce=ce, **errors, load_balance=load_balance, z_loss=z_loss)
     if routed:
-        metrics["dropped_tokens"] = sum(a["stats"]["dropped"] for a in routed).astype(jnp.float32)
+        # query slots per expert and row that dispatch used, as a fraction of the tokens (1: the dense work)
+        metrics["dispatch_slots"] = sum(a["stats"]["capacity"] for a in routed) / (len(routed) * context_length)
         metrics["load_cv2"] = sum(a["stats"]["load_cv2"] for a in routed) / len(routed)
     return loss, metrics

@@ -43,17 +43,18 @@ class TranslatorConfig:
     num_experts: int = 2
     top_k: int = 1
     dispatch: str = "sparse"  # "sparse" (only routed tokens' queries) | "dense" (every expert on every token)
-    capacity_factor: float = 1.25  # sparse: slots per expert and row = ceil(factor * k * T / N), at most T
+    capacity_factor: float = 1.25  # sparse: the first slot count per expert and row, ceil(factor * k * T / N)
     linear_skip: bool = False  # ours: a linear map per window layer beside the translator, fitted by least squares
 
     @property
     def router_hidden(self):
         return max(64, min(self.dim, self.window * self.source_width))
 
-    def capacity(self, length):
-        if self.dispatch == "dense" or self.num_experts == 1:
-            return length
-        return min(length, -(-int(self.capacity_factor * self.top_k * length) // self.num_experts))
+    def capacities(self, length):
+        """Sparse dispatch's query slot counts per expert and row below `length`, smallest first: the factor's
+        ceil(factor * k * T / N), then twice that (a step whose busiest queue fits neither runs the dense path)."""
+        first = -(-int(self.capacity_factor * self.top_k * length) // self.num_experts)
+        return tuple(c for c in dict.fromkeys((first, 2 * first)) if 0 < c < length)
 
 
 def gelu(x):

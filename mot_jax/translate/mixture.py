@@ -1,9 +1,11 @@
 """Mixture of translators: a per-token top-k router over N experts, dense or sparse (real dispatch).
 
 - dense: every expert runs on every token; y = sum_n w_n E_n(x) with w zero outside the top-k (the reference).
-- sparse: each expert runs its query chain only for the tokens routed to it (up to a capacity per batch row);
-  its attention context stays the whole sequence, so a routed token gets the same numbers as on the dense path.
-  Tokens over capacity lose that expert's contribution; they are counted in `stats["dropped"]`.
+- sparse: each expert runs its query chain only for the tokens routed to it, in a fixed number of query slots per
+  batch row; its attention context stays the whole sequence, so a routed token gets the same numbers as on the dense
+  path. Dropless: the step picks the smallest slot count of `TranslatorConfig.capacities` that holds the busiest
+  expert's queue in every row (one `lax.switch` branch per count, compiled once), and the dense path when none
+  does, so no token ever loses an expert. `stats["capacity"]` is the slot count used (T: the dense path).
 
 Also returned: the Switch load-balancing loss and the router z-loss (for the training loss) and routing statistics
 (importance, load, their CV^2 and the importance entropy) for logging, all over valid (non-padding) tokens.
@@ -66,35 +68,46 @@ class MixtureOfTranslators(nnx.Module):
         weights = jnp.einsum("btk,btkn->btn", top_weights, jax.nn.one_hot(top_experts, cfg.num_experts))
         weights = weights * mask[..., None]  # padding tokens get no translation
         if cfg.dispatch == "dense":
-            query_index = jnp.broadcast_to(jnp.arange(t), (cfg.num_experts, b, t))
-            y = jnp.einsum("btn,nbtwd->btwd", weights.astype(x.dtype), self.experts(x, mask, query_index))
-            dropped = jnp.zeros((), jnp.int32)
+            y, capacity = combine_dense(self.experts, x, mask, weights), jnp.asarray(t, jnp.int32)
         else:
-            y, dropped = self.sparse(x, mask, chosen, weights)
-        return y, aux_losses_and_stats(logits, chosen, weights, mask, dropped)
+            y, capacity = self.sparse(x, mask, chosen, weights)
+        return y, aux_losses_and_stats(logits, chosen, weights, mask, capacity)
 
     def sparse(self, x, mask, chosen, weights):
-        """Dispatch each row's routed tokens to their experts (capacity C slots per expert and row), combine."""
-        cfg = self.cfg
-        b, t = mask.shape
-        capacity = cfg.capacity(t)
-        slot = jnp.cumsum(chosen, axis=1) - 1  # position of token t in expert n's queue of its row: [B, T, N]
-        kept = chosen & (slot < capacity)
-        # query_index[n, b, c] = the token in slot c of expert n (0 for empty slots, whose outputs are unused)
-        rows = jnp.broadcast_to(jnp.arange(b)[:, None, None], slot.shape)
-        experts = jnp.broadcast_to(jnp.arange(cfg.num_experts), slot.shape)
-        tokens = jnp.broadcast_to(jnp.arange(t)[None, :, None], slot.shape)
-        target_slot = jnp.where(kept, slot, capacity)  # out-of-range slots are dropped by the scatter
-        query_index = jnp.zeros((cfg.num_experts, b, capacity), jnp.int32)
-        query_index = query_index.at[experts, rows, target_slot].set(tokens, mode="drop")
-        out = self.experts(x, mask, query_index)  # [N, B, C, W, dt]
-        gathered = out[experts, rows, jnp.minimum(slot, capacity - 1)]  # [B, T, N, W, dt]
-        combine = jnp.where(kept, weights, 0.0).astype(x.dtype)
-        dropped = jnp.sum(chosen & ~kept).astype(jnp.int32)
-        return jnp.einsum("btn,btnwd->btwd", combine, gathered), dropped
+        """Dropless dispatch: the smallest capacity that holds every row's busiest expert, else the dense path."""
+        t = mask.shape[1]
+        capacities = self.cfg.capacities(t)
+        graphdef, experts = nnx.split(self.experts)
+        branches = [lambda e, *a, c=c: dispatch(nnx.merge(graphdef, e), c, *a) for c in capacities]
+        branches.append(lambda e, x, mask, chosen, weights: combine_dense(nnx.merge(graphdef, e), x, mask, weights))
+        slots = jnp.asarray(capacities + (t,), jnp.int32)  # the last: the dense path, T slots
+        choice = jnp.searchsorted(slots, jnp.max(jnp.sum(chosen, axis=1)))  # the first that holds the busiest queue
+        return jax.lax.switch(choice, branches, experts, x, mask, chosen, weights), slots[choice]
 
 
-def aux_losses_and_stats(logits, chosen, weights, mask, dropped):
+def combine_dense(experts, x, mask, weights):
+    """Every expert on every token, combined with the routing weights (zero outside each token's top k)."""
+    n, (b, t) = weights.shape[-1], mask.shape
+    query_index = jnp.broadcast_to(jnp.arange(t), (n, b, t))
+    return jnp.einsum("btn,nbtwd->btwd", weights.astype(x.dtype), experts(x, mask, query_index))
+
+
+def dispatch(experts, capacity, x, mask, chosen, weights):
+    """Each row's routed tokens to their experts' `capacity` query slots, then combined; every queue must fit."""
+    (b, t), n = mask.shape, weights.shape[-1]
+    slot = jnp.cumsum(chosen, axis=1) - 1  # position of token t in expert n's queue of its row: [B, T, N]
+    # query_index[n, b, c] = the token in slot c of expert n (0 for empty slots, whose outputs are unused)
+    rows = jnp.broadcast_to(jnp.arange(b)[:, None, None], slot.shape)
+    expert = jnp.broadcast_to(jnp.arange(n), slot.shape)
+    tokens = jnp.broadcast_to(jnp.arange(t)[None, :, None], slot.shape)
+    query_index = jnp.zeros((n, b, capacity), jnp.int32)
+    query_index = query_index.at[expert, rows, jnp.where(chosen, slot, capacity)].set(tokens, mode="drop")
+    out = experts(x, mask, query_index)  # [N, B, C, W, dt]
+    gathered = out[expert, rows, jnp.clip(slot, 0, capacity - 1)]  # [B, T, N, W, dt]
+    return jnp.einsum("btn,btnwd->btwd", jnp.where(chosen, weights, 0.0).astype(x.dtype), gathered)
+
+
+def aux_losses_and_stats(logits, chosen, weights, mask, capacity):
     """Switch load-balancing loss N * sum_n f_n P_n, router z-loss, and routing statistics over valid tokens."""
     n = logits.shape[-1]
     valid = mask[..., None].astype(jnp.float32)
@@ -115,7 +128,7 @@ def aux_losses_and_stats(logits, chosen, weights, mask, dropped):
             "importance_cv2": cv2(importance),
             "load_cv2": cv2(load),
             "importance_entropy": -jnp.sum(share * jnp.log(jnp.maximum(share, 1e-9))),
-            "dropped": dropped,
+            "capacity": capacity,
         },
     }
 
