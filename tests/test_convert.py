@@ -115,3 +115,23 @@ def test_command_exits_nonzero_with_one_clear_line(checkpoint, tmp_path):
         )
         assert run.returncode == 2
         assert message in run.stderr and "Traceback" not in run.stderr
+
+
+@pytest.mark.parametrize("value", ["four", -1, 0, 2.5, True])
+def test_a_bad_shape_field_in_config_json_is_one_line_naming_file_and_field(checkpoint, tmp_path, value):
+    bad = copy_checkpoint(checkpoint, tmp_path / "bad")
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "num_hidden_layers": value}))
+    with pytest.raises(MotJaxError) as error:
+        convert(str(bad))
+    message = str(error.value)
+    assert str(bad / "config.json") in message and "num_hidden_layers" in message and "positive integer" in message
+
+
+def test_heads_that_do_not_split_over_kv_heads_are_named(checkpoint, tmp_path):
+    bad = copy_checkpoint(checkpoint, tmp_path / "bad")
+    config = json.loads((bad / "config.json").read_text())
+    heads = config["num_attention_heads"]
+    (bad / "config.json").write_text(json.dumps({**config, "num_key_value_heads": heads + 1}))
+    with pytest.raises(MotJaxError, match="num_attention_heads .* not a multiple of num_key_value_heads"):
+        load_model(str(bad))

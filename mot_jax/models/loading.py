@@ -32,6 +32,12 @@ FAMILIES = {
 FAMILY_BY_NAME = {module.__name__.rsplit(".", 1)[1]: (module, cls) for module, cls in FAMILIES.values()}
 # Tensors in checkpoints that are not parameters: causal-mask buffers (old GPT-2), cached RoPE frequencies.
 IGNORED = (r"\.attn\.(bias|masked_bias)$", r"rotary_emb\.inv_freq$")
+# config.json integers that shape a model, in every family's naming (absent or null: the family's default)
+SHAPE_FIELDS = (
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "intermediate_size", "max_position_embeddings", "n_embd", "n_head", "n_layer", "n_inner", "n_positions",
+    "ffn_dim", "word_embed_proj_dim", "sliding_window_pattern",
+)  # fmt: skip
 DTYPES = {"float32": jnp.float32, "fp32": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16}
 
 
@@ -63,6 +69,24 @@ def resolve_model_dir(name_or_path: str) -> Path:
         ) from None
 
 
+def check_shape_fields(d: dict, where):
+    """Each model-shaping integer of an HF config dict (read from `where`) is a positive integer, and the query
+    heads split evenly over the key/value heads; otherwise one MotJaxError naming the file and the field."""
+    for field in SHAPE_FIELDS:
+        value = d.get(field)
+        if value is not None and (type(value) is not int or value < 1):
+            raise MotJaxError(
+                f"{where}: {field} is {json.dumps(value)}, it must be a positive integer; fix that field (or restore "
+                "the checkpoint's original config.json)."
+            )
+    heads, kv_heads = d.get("num_attention_heads"), d.get("num_key_value_heads")
+    if heads and kv_heads and heads % kv_heads:
+        raise MotJaxError(
+            f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}; fix one of "
+            "them."
+        )
+
+
 def read_config(model_dir: Path) -> tuple[dict, ModelConfig]:
     config_path = model_dir / "config.json"
     if not config_path.is_file():
@@ -71,11 +95,14 @@ def read_config(model_dir: Path) -> tuple[dict, ModelConfig]:
         d = json.loads(config_path.read_text())
     except json.JSONDecodeError as e:
         raise MotJaxError(f"{config_path} is not valid JSON ({e}); restore it from the original checkpoint.") from None
+    if not isinstance(d, dict):
+        raise MotJaxError(f"{config_path} is not a JSON object; restore it from the original checkpoint.")
     model_type = d.get("model_type")
     if model_type not in FAMILIES:
         raise MotJaxError(
             f"Architecture {model_type!r} in {config_path} is not supported; supported: {', '.join(FAMILIES)}."
         )
+    check_shape_fields(d, config_path)
     try:
         return d, FAMILIES[model_type][0].config_from_hf(d)
     except KeyError as e:
