@@ -91,13 +91,18 @@ def test_export_command_writes_the_trained_translator(tmp_path):
     from safetensors import safe_open
     from test_train_run import load_config
 
+    from mot_jax.errors import MotJaxError
     from mot_jax.export.__main__ import export_workdir
     from mot_jax.training.loop import train_and_evaluate
     from mot_jax.training.trained import load_trained
 
     train_and_evaluate(load_config(steps=2), tmp_path / "run")
     out, trained = export_workdir(tmp_path / "run", tmp_path / "exported")
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == [".mot_jax_output", "config.json", "model.safetensors"]
+    files = sorted(p.relative_to(tmp_path) for p in (tmp_path / "run").rglob("*"))
+    with pytest.raises(MotJaxError, match="is a training workdir"):  # it deleted the workdir
+        export_workdir(tmp_path / "run", tmp_path / "run")
+    assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "run").rglob("*")) == files
     config = json.loads((out / "config.json").read_text())
     assert (config["source"], config["target"], config["step"]) == ("random:llama", "random:gemma3", 2)
     with safe_open(str(out / "model.safetensors"), "np") as f:

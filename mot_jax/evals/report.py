@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import shutil
 
 from etils import epath
+
+from mot_jax import outputs
 
 MIB = 2**20
 
@@ -97,14 +97,15 @@ def markdown(results: dict) -> str:
 
 
 def split_predictions(results: dict):
-    """(results without per-example predictions, prediction rows)."""
+    """(results without per-example predictions, prediction rows: the example's index unless the prediction names
+    its own, e.g. a multi-agent document's)."""
     results, rows = copy.deepcopy(results), []
     for task, entry in results["tasks"].items():
         groups = [(None, entry["methods"])] if "methods" in entry else list(entry["budgets"].items())
         for budget, methods in groups:
             for name, scores in methods.items():
                 for index, prediction in enumerate(scores.pop("predictions", [])):
-                    rows.append(dict(task=task, budget=budget, method=name, index=index, **prediction))
+                    rows.append(dict(task=task, budget=budget, method=name, index=index) | prediction)
     return results, rows
 
 
@@ -122,17 +123,19 @@ def plots(results: dict, folder: epath.Path) -> list[str]:
         for name in entry["budgets"][str(budgets[0])]:
             ax.plot(budgets, [entry["budgets"][str(b)][name]["f1"] for b in budgets], marker="o", label=name)
         ax.set(xscale="log", xlabel="context budget (target tokens)", ylabel="F1", title="Quality against budget")
+        ax.set_ylim(bottom=0)  # F1 is never negative (matplotlib pads an all-zero axis below 0)
         ax.legend(fontsize=8)
         written.append(_save(fig, folder / "quality_vs_budget.png"))
     if results.get("latency"):
         fig, ax = plt.subplots(figsize=(6, 4))
+        # markers on both series: with one length evaluated each is one point, which a line alone does not draw
         for name in dict.fromkeys(r["method"] for r in results["latency"]):
             rows = [r for r in results["latency"] if r["method"] == name]
             line = ax.plot([r["context_tokens"] for r in rows], [r["ttft_s"] * 1e3 for r in rows], marker="o",
                            label=name)  # fmt: skip
             if any(r["ttft_with_source_s"] != r["ttft_s"] for r in rows):
                 ax.plot([r["context_tokens"] for r in rows], [r["ttft_with_source_s"] * 1e3 for r in rows], ls="--",
-                        color=line[0].get_color(), label=f"{name} + source prefill")  # fmt: skip
+                        marker="x", color=line[0].get_color(), label=f"{name} + source prefill")  # fmt: skip
         ax.set(xscale="log", yscale="log", xlabel="context tokens", ylabel="TTFT (ms)", title="Time to first token")
         ax.legend(fontsize=8)
         written.append(_save(fig, folder / "ttft_vs_length.png"))
@@ -160,17 +163,10 @@ def _save(fig, path) -> str:
 
 
 def write(out, results: dict) -> None:
-    """Write the report into `out` (a folder), replacing an earlier one only once every file is written."""
-    out = epath.Path(out)
-    partial = out.parent / f".{out.name}.{os.getpid()}.partial"
-    if partial.exists():
-        shutil.rmtree(partial)
-    partial.mkdir(parents=True)
+    """Write the report into `out` (a folder), all or nothing, replacing only an earlier output (`mot_jax.outputs`)."""
     clean, rows = split_predictions(results)
-    clean["plots"] = plots(clean, partial)
-    (partial / "results.json").write_text(json.dumps(clean, indent=2))
-    (partial / "results.md").write_text(markdown(clean))
-    (partial / "predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    if out.exists():
-        shutil.rmtree(out)
-    partial.rename(out)
+    with outputs.written_folder(out, "mot_jax.evaluate") as partial:
+        clean["plots"] = plots(clean, partial)
+        (partial / "results.json").write_text(json.dumps(clean, indent=2))
+        (partial / "results.md").write_text(markdown(clean))
+        (partial / "predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

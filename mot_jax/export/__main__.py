@@ -2,9 +2,9 @@
 
 OUT gets `model.safetensors` (the experts and routers or the projector MLPs, and RoPE tables; no pickle) and
 `config.json` (the translator's shape, channel map and mode, and the training run's model names and alignment
-settings). Load it with
-`mot_jax.export.torch_translator.KVTranslator.from_pretrained(OUT)` (torch only); `mot_jax.export.torch_pipeline`
-drives transformers models with it.
+settings), and the marker `.mot_jax_output` that lets a later export replace it (`mot_jax.outputs`: never a
+workdir or a folder of other files). Load it with `mot_jax.export.torch_translator.KVTranslator.from_pretrained(OUT)`
+(torch only); `mot_jax.export.torch_pipeline` drives transformers models with it.
 """
 
 from __future__ import annotations
@@ -14,15 +14,17 @@ from absl import app, flags, logging
 from mot_jax.cli import run_or_exit
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Training workdir holding a finished checkpoint.")
-_OUT = flags.DEFINE_string("out", None, "Output folder (replaced if it exists).")
+_OUT = flags.DEFINE_string("out", None, "Output folder (new, empty, or an earlier export, which it replaces).")
 _WHICH = flags.DEFINE_string("which", "last", "The checkpoint: last, best (validation loss) or a step number.")
 flags.mark_flags_as_required(["workdir", "out"])
 
 
 def export_workdir(workdir, out, which="last"):
     from mot_jax.export import weights
+    from mot_jax.outputs import check_replaceable
     from mot_jax.training.trained import load_trained
 
+    check_replaceable(out)  # before the checkpoint is read
     trained = load_trained(workdir, which)
     c = trained.config
     extra = dict(

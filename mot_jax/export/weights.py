@@ -66,24 +66,15 @@ def translator_config(translator, source, target) -> dict:
 
 def export(translator, source, target, folder, extra: dict | None = None) -> Path:
     """Write `config.json` (plus the `extra` entries, e.g. model names) and `model.safetensors` (no pickle) of a
-    KVTranslator to `folder`, all or nothing (written beside it, then renamed); returns the folder."""
-    import shutil
-    import tempfile
-
+    KVTranslator to `folder`, all or nothing, replacing only an earlier output (`mot_jax.outputs`); returns it."""
     from safetensors.numpy import save_file
 
+    from mot_jax.outputs import written_folder
+
     folder = Path(folder)
-    folder.parent.mkdir(parents=True, exist_ok=True)
     config = translator_config(translator, source, target) | (extra or {})
-    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-    try:
-        save_file(
-            translator_tensors(translator, source, target), str(staging / WEIGHTS_FILE), metadata={"format": "pt"}
-        )
+    tensors = translator_tensors(translator, source, target)
+    with written_folder(folder, "mot_jax.export") as staging:
+        save_file(tensors, str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
         (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-        if folder.exists():
-            shutil.rmtree(folder)
-        staging.rename(folder)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return folder

@@ -1,0 +1,97 @@
+"""Output folders a command writes whole (an exported translator, an evaluation report).
+
+`written_folder(out, tool)` stages the files beside `out` and renames them into place once all are written, so a
+reader never sees half a folder. It only ever replaces what a command of this project wrote there itself: each
+output folder gets a marker file listing its files, and `check_replaceable(out)` refuses anything else (a file, a
+training workdir, a folder with files the marker does not list); an empty folder is fine. Files follow the umask.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+
+from etils import epath
+
+from mot_jax.errors import MotJaxError, cause
+
+MARKER = ".mot_jax_output"
+
+
+def _fix(out) -> str:
+    return f"choose another output folder (--out), or remove {out} yourself"
+
+
+def check_replaceable(out) -> None:
+    """Raise MotJaxError unless `out` is absent, an empty folder or an output folder of this project as written."""
+    out = epath.Path(out)
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise MotJaxError(f"{out} is a file, not a folder; {_fix(out)}.")
+    names = {p.name for p in out.iterdir()}
+    if not names:
+        return
+    if "checkpoints" in names or ("config.json" in names and MARKER not in names):
+        raise MotJaxError(f"{out} is a training workdir (it has checkpoints/ or config.json); {_fix(out)}.")
+    try:
+        listed = set(json.loads((out / MARKER).read_text())["files"]) | {MARKER}
+    except (OSError, ValueError, KeyError, TypeError):
+        listed = set()
+    foreign = sorted(names - listed)
+    if foreign:
+        raise MotJaxError(f"{out} holds files this project did not write there ({foreign[0]}); {_fix(out)}.")
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _follow_umask(folder: epath.Path) -> None:
+    """What a plain mkdir / open would have made: temporary-file tools (safetensors) write 0600."""
+    if "://" in str(folder):
+        return  # cloud storage has no modes
+    mask = _umask()
+    for root, _dirs, files in os.walk(folder):
+        os.chmod(root, 0o777 & ~mask)
+        for name in files:
+            os.chmod(os.path.join(root, name), 0o666 & ~mask)
+
+
+@contextlib.contextmanager
+def written_folder(out, tool: str):
+    """Yield an empty staging folder; once the block ends without error, its files (and the marker naming `tool`)
+    replace `out`, which `check_replaceable` allows. On an error nothing changes at `out`."""
+    out = epath.Path(out)
+    check_replaceable(out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise MotJaxError(f"Cannot create {out.parent} ({cause(e)}); {_fix(out)}.") from None
+    staging = out.parent / f".{out.name}.{os.getpid()}.{secrets.token_hex(4)}.partial"
+    staging.mkdir()
+    old = None
+    try:
+        yield staging
+        files = sorted(p.name for p in staging.iterdir())
+        (staging / MARKER).write_text(json.dumps(dict(tool=tool, files=files)) + "\n")
+        _follow_umask(staging)
+        check_replaceable(out)  # again: another process may have written there meanwhile
+        if out.exists():
+            old = out.parent / f"{staging.name[: -len('.partial')]}.old"
+            out.rename(old)  # the earlier output moves aside, then the new one takes its name
+        try:
+            staging.rename(out)
+        except BaseException:
+            if old is not None:
+                old.rename(out)
+                old = None
+            raise
+    finally:
+        for path in (staging, old):
+            if path is not None and path.exists():
+                path.rmtree()

@@ -1,0 +1,163 @@
+"""Output folders (mot_jax.outputs) and what export and evaluate write into them: all or nothing, never over a
+workdir or foreign files, files that follow the umask; the report's plots."""
+
+import json
+import os
+import re
+import stat
+from types import SimpleNamespace
+
+import pytest
+from flax import nnx
+
+from mot_jax import outputs
+from mot_jax.errors import MotJaxError
+from mot_jax.evals import report
+from mot_jax.export import weights
+from mot_jax.models import tiny
+from mot_jax.models.loading import FAMILIES
+from mot_jax.translate import channels
+from mot_jax.translate.translator import KVTranslator, TranslationSpec, mixture_config
+
+REFUSED = "choose another output folder"
+
+
+@pytest.fixture
+def umask_027():
+    old = os.umask(0o027)
+    yield
+    os.umask(old)
+
+
+def tree(folder):
+    """{relative path: bytes} of every file under `folder`."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def modes(folder):
+    return {str(p.relative_to(folder)): stat.S_IMODE(p.stat().st_mode) for p in [folder, *folder.rglob("*")]}
+
+
+def write(out, text="new"):
+    with outputs.written_folder(out, "test") as staging:
+        (staging / "a.txt").write_text(text)
+        fd = os.open(staging / "private.bin", os.O_WRONLY | os.O_CREAT, 0o600)  # as safetensors writes
+        os.close(fd)
+
+
+def test_an_output_folder_replaces_only_what_this_project_wrote(tmp_path, umask_027):
+    out = tmp_path / "out"
+    write(out, "first")
+    write(out, "second")  # an earlier output is replaced
+    assert (out / "a.txt").read_text() == "second"
+    assert json.loads((out / outputs.MARKER).read_text()) == dict(tool="test", files=["a.txt", "private.bin"])
+    assert set(modes(out).values()) <= {0o750, 0o640} and modes(out)["."] == 0o750
+    assert modes(out)["private.bin"] == 0o640
+    (tmp_path / "empty").mkdir()
+    write(tmp_path / "empty")  # an empty folder is fine
+    assert (tmp_path / "empty" / "a.txt").exists()
+
+    (out / "notes.txt").write_text("mine")  # the user's file in an output folder
+    workdir = tmp_path / "run"
+    (workdir / "checkpoints" / "1").mkdir(parents=True)
+    (workdir / "config.json").write_text("{}")
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (tmp_path / "file").write_text("data")
+    for target, reason in [(out, "did not write there (notes.txt)"), (workdir, "is a training workdir"),
+                           (model, "is a training workdir"), (tmp_path / "file", "is a file")]:  # fmt: skip
+        before = tree(tmp_path)
+        with pytest.raises(MotJaxError, match=f"{re.escape(reason)}.*{REFUSED}"):
+            write(target)
+        assert tree(tmp_path) == before, target
+
+
+def test_an_error_while_writing_leaves_the_earlier_output(tmp_path):
+    out = tmp_path / "out"
+    write(out, "first")
+    with pytest.raises(RuntimeError), outputs.written_folder(out, "test") as staging:
+        (staging / "a.txt").write_text("half")
+        raise RuntimeError
+    assert (out / "a.txt").read_text() == "first" and sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def tiny_config(name):
+    config = tiny.hf_config(name)
+    return FAMILIES[config["model_type"]][0].config_from_hf(config)
+
+
+@pytest.fixture(scope="module")
+def translator():
+    """A tiny translator and the two models' configs (export needs no weights of theirs)."""
+    source, target = tiny_config("random:llama"), tiny_config("random:gemma3")
+    spec = TranslationSpec.build("replay", channels.terminal(4, 4, 0.5), 4, 4, k_attn=4, dense_bottom=1)
+    cfg = mixture_config(spec, SimpleNamespace(config=source), SimpleNamespace(config=target), dim=8, heads=1,
+                         depth=1, num_experts=2, dispatch="dense")  # fmt: skip
+    return KVTranslator(spec, cfg, rngs=nnx.Rngs(0)), source, target
+
+
+def test_export_never_deletes_a_workdir_or_foreign_files_and_follows_the_umask(translator, tmp_path, umask_027):
+    """`export --workdir=W --out=W` deleted W's checkpoints; `--out=FILE` raised NotADirectoryError."""
+    workdir = tmp_path / "run"
+    (workdir / "checkpoints" / "2").mkdir(parents=True)
+    for name in ("config.json", "summary.json"):
+        (workdir / name).write_text("{}")
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep")
+    (tmp_path / "file").write_text("data")
+    for out in (workdir, foreign, tmp_path / "file"):
+        before = tree(tmp_path)
+        with pytest.raises(MotJaxError, match=REFUSED):
+            weights.export(*translator, out)
+        assert tree(tmp_path) == before, out
+    out = weights.export(*translator, tmp_path / "exported")
+    assert sorted(p.name for p in out.iterdir()) == [outputs.MARKER, weights.CONFIG_FILE, weights.WEIGHTS_FILE]
+    assert modes(out) == {".": 0o750, outputs.MARKER: 0o640, weights.CONFIG_FILE: 0o640, weights.WEIGHTS_FILE: 0o640}
+    weights.export(*translator, out)  # its own output: replaced
+
+
+def results(lengths=(64,), f1=0.0):
+    """A report's results as run.evaluate returns them (two methods, one TTFT length by default)."""
+    names = ("native", "MoT replay")
+
+    def scores():
+        prediction = dict(question="Who?", gold=["Ada"], generation="Bo", answer="Bo")
+        return dict(f1=f1, exact_match=0.0, retention=None, handed_bytes=10.0, examples_per_s=1.0,
+                    predictions=[prediction])  # fmt: skip
+
+    latency = [dict(method=m, context_tokens=n, ttft_s=0.01, ttft_with_source_s=0.01 + 0.01 * (m != "native"),
+                    stages={}, handed_bytes=8, target_kv_bytes=64, planned_bytes=None)
+               for n in lengths for m in names]  # fmt: skip
+    meta = dict(methods={"MoT replay": dict(step=1, workdir="run")}, source="s", target="t", dtype="float32",
+                data="synthetic", config=dict(max_new_tokens=4), machine="cpu", seconds=1.0)  # fmt: skip
+    budgets = {b: {m: scores() for m in names} for b in ("48", "96")}
+    tasks = dict(extractive_qa=dict(examples=1, methods={m: scores() for m in names}),
+                 long_context=dict(examples=1, budgets=budgets))  # fmt: skip
+    return dict(tasks=tasks, routing={}, latency=latency, meta=meta)
+
+
+def test_the_report_never_replaces_foreign_files(tmp_path, umask_027):
+    """`evaluate --out=DIR` deleted whatever DIR held."""
+    out = tmp_path / "eval"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep")
+    with pytest.raises(MotJaxError, match=REFUSED):
+        report.write(out, results())
+    assert tree(tmp_path) == {"eval/notes.txt": b"keep"}
+    report.write(tmp_path / "new", results())
+    report.write(tmp_path / "new", results())  # its own output: replaced
+    assert set(modes(tmp_path / "new").values()) == {0o750, 0o640}
+
+
+def test_plots_show_a_single_length_and_keep_f1_at_or_above_zero(tmp_path, monkeypatch):
+    figures, save = {}, report._save
+    monkeypatch.setattr(report, "_save", lambda fig, path: figures.setdefault(path.name, fig) and save(fig, path))
+    report.write(tmp_path / "eval", results(lengths=(64,), f1=0.0))
+    ttft = {line.get_label(): line for line in figures["ttft_vs_length.png"].axes[0].get_lines()}
+    prefill = ttft["MoT replay + source prefill"]
+    assert len(prefill.get_xdata()) == 1 and prefill.get_marker() not in (None, "None", "", " ")
+    assert prefill.get_markersize() > 0
+    bottom, top = figures["quality_vs_budget.png"].axes[0].get_ylim()
+    assert bottom == 0 < top
