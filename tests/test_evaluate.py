@@ -1,6 +1,8 @@
 """The evaluation engine against independent computations, the report files, and `python -m mot_jax.evaluate`."""
 
+import io
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +14,7 @@ import pytest
 from flax import nnx
 
 from mot_jax.errors import MotJaxError
-from mot_jax.evals import engine, report, run, synthetic
+from mot_jax.evals import datasets, engine, metrics, report, run, synthetic
 from mot_jax.evals.config import defaults
 from mot_jax.models.base import generate
 from mot_jax.training import loop
@@ -49,6 +51,8 @@ def test_native_answers_equal_the_target_reading_the_whole_prompt(pair):
             ids = jnp.asarray([prefix + suffix], jnp.int32)
             out = generate(pair.target, ids, max_new_tokens=SETTINGS.max_new_tokens)
             assert prediction["generation"] == engine.decode_answers(pair.target_tokenizer, out, eos)[0]
+            gold = example["answers"] if "answers" in example else [example["answer"]]
+            assert (prediction["question"], prediction["gold"]) == (example["question"], gold)
             if closed:  # the likelihood choice from full forwards over prompt (without the options) + " choice"
                 means = []
                 plain = engine.token_ids(pair.target_tokenizer, [engine.suffix_text(example, options=False)], False)[0]
@@ -129,7 +133,8 @@ def test_report_files_are_written_and_parse(trained_workdir, tmp_path):
     assert "predictions" not in saved["tasks"]["extractive_qa"]["methods"]["native"]
     assert results["tasks"]["extractive_qa"]["methods"]["native"]["predictions"]  # they go to predictions.jsonl
     rows = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
-    assert len(rows) == len(names) * 2 * (2 + 2)  # 2 examples: two tasks and long_context at two budgets
+    # 2 examples: two tasks and long_context at two budgets; 2 documents with 2 agents each
+    assert len(rows) == len(names) * (2 * (2 + 2) + 2 * 2)
     markdown = (out / "results.md").read_text()
     assert markdown == report.markdown(saved) and "| MoT replay |" in markdown
     for plot in ("quality_vs_budget.png", "ttft_vs_length.png", "routing_load.png"):
@@ -202,3 +207,63 @@ def test_replay_attention_and_checkpoint_step_are_chosen_at_evaluation(trained_w
         run.trained_methods([str(trained_workdir)], "7")
     with pytest.raises(MotJaxError, match="replay_attention has 'sparse'"):
         run.trained_methods([str(trained_workdir)], "last", "sparse")
+
+
+def test_multi_agent_predictions_name_each_agent_question_and_gold_answers(pair):
+    """predictions.jsonl had no multi-agent rows: one per document and agent, and its F1 is their mean."""
+    documents = synthetic.examples("multi_agent", 3, seed=6, questions_per_example=2)
+    scores = engine.evaluate_agents(pair, [engine.Native()], documents, SETTINGS)
+    _, rows = report.split_predictions(dict(tasks=dict(multi_agent=dict(examples=3, methods=scores))))
+    assert [(r["index"], r["agent"]) for r in rows] == [(d, k) for d in range(3) for k in range(2)]
+    for row in rows:
+        document, agent = documents[row["index"]], row["agent"]
+        assert (row["task"], row["method"]) == ("multi_agent", "native")
+        assert (row["question"], row["gold"]) == (document["questions"][agent], document["answers"][agent])
+    assert scores["native"]["f1"] == pytest.approx(np.mean([metrics.f1(r["answer"], r["gold"]) for r in rows]))
+
+
+def test_progress_is_a_bar_on_a_terminal_and_periodic_log_lines_otherwise(monkeypatch):
+    """It was a hand-written log line after every batch."""
+    logged = []
+    monkeypatch.setattr(run.logging, "info", lambda fmt, *args: logged.append(fmt % args))
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    for terminal in (False, True):
+        logged.clear()
+        stream = Terminal() if terminal else io.StringIO()
+        monkeypatch.setattr(sys, "stderr", stream)
+        progress = run.Progress("extractive_qa", every=3600)
+        for done in range(2, 13, 2):
+            progress(done, 12)
+        if terminal:
+            assert not logged and "12/12" in stream.getvalue() and "example" in stream.getvalue()
+        else:  # nothing on stderr; one line at the end (the batches came faster than `every`)
+            assert stream.getvalue() == "" and len(logged) == 1 and "12/12" in logged[0], logged
+
+
+def test_bad_counts_and_output_folders_are_refused_before_any_work(tmp_path):
+    """batch_size=0 raised ValueError (range step 0) after loading the models; --out=WORKDIR ran the evaluation and
+    then deleted the workdir."""
+    workdir = tmp_path / "run"
+    (workdir / "checkpoints").mkdir(parents=True)
+    (workdir / "config.json").write_text("{}")
+    with pytest.raises(MotJaxError, match=r"batch_size=0; pass a positive whole number \(--config.batch_size=N\)"):
+        run.evaluate(workdir, small_config(batch_size=0))
+    with pytest.raises(MotJaxError, match="is a training workdir"):
+        run.evaluate(workdir, small_config(), out=workdir)
+    assert sorted(p.name for p in workdir.iterdir()) == ["checkpoints", "config.json"]
+
+
+def test_a_jsonl_file_that_is_not_utf8_is_named_with_its_line(tmp_path):
+    good = json.dumps(dict(context="c", question="q", answers=["a"]))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(f"{good}\n".encode() + b'{"context": "caf\xe9", "question": "q", "answers": ["a"]}\n')
+    with pytest.raises(MotJaxError, match=f"{re.escape(str(bad))}:2: not UTF-8 text"):
+        datasets.load_examples("extractive_qa", str(bad), 4, 0, "")
+    native = tmp_path / "rows.json"
+    native.write_bytes(b'[\n{"a": 1},\n{"b": "\xff"}]\n')
+    with pytest.raises(MotJaxError, match=f"{re.escape(str(native))}:3: not UTF-8 text"):
+        datasets._local_rows("squad", native)

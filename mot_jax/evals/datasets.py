@@ -326,7 +326,7 @@ def _local_rows(name: str, path: Path) -> list[dict]:
 
             part = pq.read_table(file).to_pylist()
         elif file.suffix == ".json":
-            part = json.loads(file.read_text(encoding="utf-8"))
+            part = json.loads(jsonl.utf8(file, file.read_bytes()))
         else:
             part = [row for _, row in jsonl.json_lines(file)]
         if not isinstance(part, list) or not all(isinstance(row, dict) for row in part):

@@ -362,7 +362,8 @@ def evaluate_examples(models, methods, examples, settings: Settings, progress=No
             row["timed"].append((len(texts), sum(watch.stages.values())))
             row["handed"] += handed.tolist()
             for b, (example, text) in enumerate(zip(contexts.examples, texts)):
-                prediction = dict(generation=text, answer=metrics.first_line(text))
+                prediction = dict(question=example["question"], gold=gold_answers(example), generation=text,
+                                  answer=metrics.first_line(text))  # fmt: skip
                 if closed:
                     chosen = metrics.match_choice(text, example["choices"])
                     prediction["choice"] = None if chosen is None else example["choices"][chosen]
@@ -373,10 +374,15 @@ def evaluate_examples(models, methods, examples, settings: Settings, progress=No
     return {name: summarize(row, examples, closed) for name, row in rows.items()}
 
 
+def gold_answers(example: dict) -> list[str]:
+    """The answers that score: every acceptable one (closed-set: MMLU-Redux may accept several choices)."""
+    return example["answers"] if "answers" in example else [example["answer"]]
+
+
 def summarize(row, examples, closed: bool) -> dict:
     predictions = row["predictions"]
     if closed:
-        gold = [e.get("answers", [e["answer"]]) for e in examples]  # MMLU-Redux may accept several choices
+        gold = [gold_answers(e) for e in examples]
         out = dict(
             accuracy=float(np.mean([p["choice"] in g for p, g in zip(predictions, gold)])),
             likelihood_accuracy=float(np.mean([p["likelihood_choice"] in g for p, g in zip(predictions, gold)])),
@@ -418,7 +424,7 @@ def evaluate_agents(models, methods, documents, settings: Settings, progress=Non
     agents = min(len(d["questions"]) for d in documents)
     examples = [dict(context=d["context"], question=d["questions"][0]) for d in documents]
     eos = tuple(models.target.config.eos_ids)
-    scores = {m.name: [] for m in methods}
+    scores, predictions = {m.name: [] for m in methods}, {m.name: [] for m in methods}
     per_agent = [[d["questions"][k] for d in documents] for k in range(agents)]
     suffix_batches = [list(batches(models, examples, settings, questions)) for questions in per_agent]
     for index, (contexts, _, _) in enumerate(suffix_batches[0]):
@@ -430,8 +436,14 @@ def evaluate_agents(models, methods, documents, settings: Settings, progress=Non
                 out = answer(models.target, cache, suffix_ids, suffix_mask, max_new_tokens=settings.max_new_tokens,
                              eos_ids=eos)  # fmt: skip
                 docs = documents[index * settings.batch_size :][: len(contexts.examples)]
-                for text, doc in zip(decode_answers(models.target_tokenizer, out, eos), docs):
-                    scores[method.name].append(metrics.f1(metrics.first_line(text), doc["answers"][k]))
+                texts = decode_answers(models.target_tokenizer, out, eos)
+                for b, (text, doc) in enumerate(zip(texts, docs)):
+                    answer_text = metrics.first_line(text)
+                    scores[method.name].append(metrics.f1(answer_text, doc["answers"][k]))
+                    predictions[method.name].append(dict(
+                        index=index * settings.batch_size + b, agent=k, question=doc["questions"][k],
+                        gold=doc["answers"][k], generation=text, answer=answer_text,
+                    ))  # fmt: skip
         if progress:
             progress(min((index + 1) * settings.batch_size, len(documents)), len(documents))
     results = {name: dict(f1=float(np.mean(values)), agents=agents) for name, values in scores.items()}
@@ -449,6 +461,7 @@ def evaluate_agents(models, methods, documents, settings: Settings, progress=Non
             reader_prefill_seconds=own,
             target_kv_bytes=copies * held_bytes(models.target, cache),
             shares_one_cache=shared,
+            predictions=sorted(predictions[method.name], key=lambda p: (p["index"], p["agent"])),
         )
     return add_retention(results, "f1")
 

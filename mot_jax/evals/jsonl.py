@@ -66,10 +66,20 @@ def check(example, task: str) -> str | None:
     return None
 
 
+def utf8(path, data: bytes, first_line: int = 1) -> str:
+    """`data` (the file's text from line `first_line` on) decoded; bytes that are not UTF-8 are named by file:line."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = first_line + data[: e.start].count(b"\n")
+        raise MotJaxError(f"{path}:{line}: not UTF-8 text ({e.reason}); save the file as UTF-8.") from None
+
+
 def json_lines(path: Path):
     """(line number, parsed value) of each non-blank line of a JSONL file; a malformed line is named by file:line."""
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, 1):
+            line = utf8(path, raw, number)
             if not line.strip():
                 continue
             try:

@@ -9,12 +9,14 @@ import dataclasses
 import datetime
 import os
 import platform
+import sys
 import time
 
 import jax
 import ml_collections
 from absl import logging
 
+from mot_jax import outputs
 from mot_jax.errors import MotJaxError
 from mot_jax.evals import datasets, engine, report, synthetic
 from mot_jax.evals.config import parse_list
@@ -76,6 +78,14 @@ def trained_methods(workdirs, which: str, replay_attention="trained"):
     return methods, trained.config
 
 
+def check_counts(config) -> None:
+    """Counts must be positive (ttft_runs: a median needs one run)."""
+    for key in ("examples", "batch_size", "max_new_tokens", "relay_tokens", "agents", "ttft_runs"):
+        value = config[key]
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise MotJaxError(f"{key}={value!r}; pass a positive whole number (--config.{key}=N).")
+
+
 def baseline_methods(config) -> list:
     names = parse_list(config.methods)
     unknown = sorted(set(names) - set(engine.BASELINES))
@@ -86,13 +96,27 @@ def baseline_methods(config) -> list:
     return [make[name]() for name in engine.BASELINES if name in names]
 
 
-def progress(task: str, began: float):
-    def report_progress(done: int, total: int):
-        seconds = time.perf_counter() - began
-        eta = seconds / done * (total - done)
-        logging.info("%s: %d/%d examples, %.0f s, about %.0f s left", task, done, total, seconds, eta)
+class Progress:
+    """`progress(done, total)` for the engine: a tqdm bar of examples on a terminal (as training's steps), otherwise
+    tqdm's line in the log about every `every` seconds and at the end."""
 
-    return report_progress
+    def __init__(self, label: str, every: float = 30.0):
+        self.label, self.every, self.bar = label, every, None
+        self.began = self.logged = time.perf_counter()
+
+    def __call__(self, done: int, total: int):
+        from tqdm import tqdm
+
+        if self.bar is None:
+            self.bar = tqdm(total=total, desc=self.label, unit="example", dynamic_ncols=True,
+                            disable=not sys.stderr.isatty())  # fmt: skip
+        self.bar.update(done - self.bar.n)
+        now = time.perf_counter()
+        if self.bar.disable and (done >= total or now - self.logged >= self.every):
+            self.logged = now
+            logging.info("%s", tqdm.format_meter(done, total, now - self.began, prefix=self.label, unit="example"))
+        if done >= total:
+            self.bar.close()
 
 
 def evaluate(workdir, config: ml_collections.ConfigDict, compare=(), out=None) -> dict:
@@ -106,6 +130,9 @@ def evaluate(workdir, config: ml_collections.ConfigDict, compare=(), out=None) -
     if config.data and len(tasks) != 1:
         raise MotJaxError(f"data={config.data!r} holds one task's examples; pass --task with it.")
     budgets, lengths = parse_list(config.budgets, int), parse_list(config.ttft_lengths, int)
+    check_counts(config)
+    out = as_path(out or as_path(workdir) / "eval")
+    outputs.check_replaceable(out)  # before minutes of evaluation
     workdirs = [str(workdir), *map(str, compare)]
     translated, train_config = trained_methods(workdirs, config.which, config.replay_attention)
     methods = baseline_methods(config) + translated
@@ -123,7 +150,7 @@ def evaluate(workdir, config: ml_collections.ConfigDict, compare=(), out=None) -
     for task in tasks:
         logging.info("Evaluating %s on %s with %s", task, config.data or "the synthetic set", ", ".join(
             m.name for m in methods))  # fmt: skip
-        watch = progress(task, time.perf_counter())
+        watch = Progress(task)
         if task == "multi_agent":
             documents = examples(task, questions_per_example=config.agents)
             scores = engine.evaluate_agents(models, methods, documents, settings, watch)
@@ -132,7 +159,7 @@ def evaluate(workdir, config: ml_collections.ConfigDict, compare=(), out=None) -
             items, by_budget = examples(task, distractors=config.long_distractors), {}
             for budget in budgets:
                 run = dataclasses.replace(settings, budget=budget)
-                watch = progress(f"{task} at {budget} tokens", time.perf_counter())
+                watch = Progress(f"{task} at {budget} tokens")
                 scores = engine.evaluate_examples(models, methods, items, run, watch)
                 by_budget[str(budget)] = engine.add_retention(scores, "f1")
             results["tasks"][task] = dict(examples=len(items), budgets=by_budget)
@@ -169,6 +196,5 @@ def evaluate(workdir, config: ml_collections.ConfigDict, compare=(), out=None) -
         date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         seconds=round(time.perf_counter() - began, 1),
     )
-    out = as_path(out or as_path(workdir) / "eval")
     report.write(out, results)
     return results
