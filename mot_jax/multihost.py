@@ -9,7 +9,6 @@ model cache at once. A single process skips all of it.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import glob
 import importlib.util
 import os
@@ -23,6 +22,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 from mot_jax.errors import MotJaxError, cause
+from mot_jax.locks import file_lock
 
 SLURM_VARS = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
 
@@ -90,17 +90,11 @@ def local_rows(mesh, batch_size: int) -> slice:
 def prepare_lock(directory):
     """Serialise what runs inside among the processes of a multi-process run that share `directory`'s disk: the
     first builds the corpus, chunk tables and model caches, the others then find them ready. No-op for one process."""
-    if jax.process_count() == 1:
+    if jax.process_count() == 1:  # each cache build holds its own lock (models.gguf.cache_lock) for any process
         yield
         return
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    with open(directory / ".prepare.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    with file_lock(Path(directory) / ".prepare.lock"):
+        yield
 
 
 def check_shared(workdir):

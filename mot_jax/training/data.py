@@ -25,6 +25,7 @@ import jax
 import numpy as np
 
 from mot_jax.errors import MotJaxError
+from mot_jax.models.gguf import Progress, cache_lock, cache_root
 from mot_jax.translate.align import Alignment, adapter, align_batch, register_pytree
 
 register_pytree()  # batches (with their alignment) are stacked and placed as pytrees
@@ -106,15 +107,25 @@ class TextChunks:
         )
         name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
         if cache_dir is None:
-            from mot_jax.models.gguf import cache_root
-
             cache_dir = Path(getattr(documents, "data_dir", cache_root())) / "chunks"
         self.path = Path(cache_dir) / f"{name}.npy"
-        stats_path = self.path.with_suffix(".json")
-        if self.path.is_file() and stats_path.is_file():
-            self.chunks, self.stats = np.load(self.path), json.loads(stats_path.read_text())
+        if self._read():
             return
-        source = source_tokenizer if filtered else None
+        with cache_lock(self.path):  # another process may be building this table: wait, then look again
+            if not self._read():
+                self._write(documents, target_tokenizer, source_tokenizer if filtered else None, key)
+
+    def _read(self) -> bool:
+        """Whether the cached table is complete (both files: each is renamed into place whole), then loaded."""
+        stats_path = self.path.with_suffix(".json")
+        if not (self.path.is_file() and stats_path.is_file()):
+            return False
+        self.chunks, self.stats = np.load(self.path), json.loads(stats_path.read_text())
+        return True
+
+    def _write(self, documents, target_tokenizer, source, key):
+        total_tokens, prefix_tokens, source_length = self.total_tokens, self.prefix_tokens, self.source_length
+        filtered = source is not None
         chunks, self.stats = _build(
             documents, target_tokenizer, self.eos_id, total_tokens, prefix_tokens, source, source_length
         )
@@ -128,7 +139,8 @@ class TextChunks:
         print(message, file=sys.stderr)
         self.chunks = chunks
         _write_atomically(self.path, lambda f: np.save(f, self.chunks))
-        _write_atomically(stats_path, lambda f: f.write(json.dumps(self.stats, indent=1).encode()))
+        stats = json.dumps(self.stats, indent=1).encode()
+        _write_atomically(self.path.with_suffix(".json"), lambda f: f.write(stats))
 
     def __len__(self) -> int:
         return len(self.chunks)
@@ -160,11 +172,13 @@ def _token_stream(documents, tokenizer, eos_id: int) -> tuple[np.ndarray, dict]:
     """The target-token stream: each kept document's ids followed by EOS, and counts of what was kept."""
     tok = adapter(tokenizer)
     pieces, stats = [], dict(documents=len(documents), kept_documents=0, tokens=0)
-    for start in range(0, len(documents), _BATCH_TEXTS):
-        texts = [t for t in documents[start : start + _BATCH_TEXTS] if t.strip()]
-        for ids, _ in tok.encode_batch(texts):
-            if len(ids) >= MIN_DOCUMENT_TOKENS:
-                pieces.append(np.asarray(ids + [eos_id], np.int32))
+    with Progress(len(documents), "Tokenizing the chunk table", "doc") as progress:
+        for start in range(0, len(documents), _BATCH_TEXTS):
+            batch = documents[start : start + _BATCH_TEXTS]
+            for ids, _ in tok.encode_batch([t for t in batch if t.strip()]):
+                if len(ids) >= MIN_DOCUMENT_TOKENS:
+                    pieces.append(np.asarray(ids + [eos_id], np.int32))
+            progress.update(len(batch))
     stats.update(kept_documents=len(pieces), tokens=int(sum(map(len, pieces))))
     return (np.concatenate(pieces) if pieces else np.zeros(0, np.int32)), stats
 
@@ -173,9 +187,11 @@ def _source_lengths(contexts: np.ndarray, target_tokenizer, source_tokenizer) ->
     """How many source tokens each target context re-encodes to (decode with the target, encode with the source)."""
     target, source = adapter(target_tokenizer), adapter(source_tokenizer)
     lengths = []
-    for start in range(0, len(contexts), _BATCH_TEXTS):
-        texts = target.decode_batch(contexts[start : start + _BATCH_TEXTS].tolist())
-        lengths += [len(ids) for ids, _ in source.encode_batch(texts)]
+    with Progress(len(contexts), "Source lengths of the chunks", "chunk") as progress:
+        for start in range(0, len(contexts), _BATCH_TEXTS):
+            texts = target.decode_batch(contexts[start : start + _BATCH_TEXTS].tolist())
+            lengths += [len(ids) for ids, _ in source.encode_batch(texts)]
+            progress.update(len(texts))
     return np.asarray(lengths, np.int64)
 
 
