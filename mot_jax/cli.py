@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import logging as std_logging
+import os
 import re
 import sys
 
 from absl import flags, logging
+from ml_collections import config_flags
 
 from mot_jax.errors import MotJaxError
 
@@ -14,9 +16,11 @@ QUOTES = re.compile(r"""[\\'"]""")  # ml_collections quotes key names in its Key
 
 
 def log_info_quietly():
-    """absl INFO logs, without Orbax's INFO lines (it logs every save and restore step); its warnings stay."""
+    """absl INFO logs, without Orbax's INFO lines (it logs every save and restore step) or its tracebacks (the error
+    reaches the caller, which reports it in one line); its warnings stay."""
     logging.set_verbosity(logging.INFO)
-    logging.get_absl_handler().addFilter(lambda r: r.levelno >= std_logging.WARNING or "/orbax/" not in r.pathname)
+    quiet = lambda r: "/orbax/" in r.pathname and (r.levelno < std_logging.WARNING or r.exc_info)  # noqa: E731
+    logging.get_absl_handler().addFilter(lambda r: not quiet(r))
 
 
 def config_error(e: Exception, keys_listed_in: str) -> str:
@@ -36,21 +40,35 @@ def config_flags_parser(config_flag, keys_listed_in: str):
             config_flag.value.to_dict()  # a config file that failed to load raises only when its config is used
             return rest
         except Exception as e:  # config files run user code: any error there is a usage error
+            path = missing_config_file(config_flag)
+            if path:  # ml_collections' message for it repeats itself, in pieces
+                fail(f"the config file {path} does not exist; pass --config=FILE.py[:ARG] (configs/ has them).")
             fail(config_error(e, keys_listed_in))
 
     return parse
 
 
-def fail(message: str):
-    """Report bad input in one line and exit with 2."""
+def missing_config_file(config_flag) -> str | None:
+    """The --config file's path when that file does not exist."""
+    try:
+        path = config_flags.get_config_filename(flags.FLAGS[config_flag.name]).split(":")[0]
+    except Exception:  # not given, or not parsed
+        return None
+    return None if os.path.isfile(path) else path
+
+
+def fail(message: str, status: int = 2):
+    """Report bad input in one line and exit with `status` (2)."""
     print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
+    sys.exit(status)
 
 
 def run_or_exit(fn, *args, **kwargs):
-    """Run `fn`; a MotJaxError (bad input, explained in one sentence) is logged and ends the program (exit 2)."""
+    """Run `fn`; a MotJaxError (bad input, explained in one sentence) ends the program in one line (exit 2, or the
+    error's `exit_status`), and so does Ctrl-C (130)."""
     try:
         return fn(*args, **kwargs)
     except MotJaxError as e:
-        logging.error("%s", e)
-        fail(str(e))
+        fail(str(e), getattr(e, "exit_status", 2))
+    except KeyboardInterrupt:
+        fail("interrupted", 130)

@@ -3,15 +3,21 @@
 A checkpoint holds the trainable state (translator params, optimizer state, RNG) as arrays and, as JSON, the step,
 the input position, the resolved channel map, the config and the experiment's identity (model pair and translator
 shape). `workdir/checkpoints` keeps the last K; `workdir/best` keeps the one with the lowest validation loss.
-Saves are asynchronous; `close()` waits for them.
+Saves are asynchronous: a failed one raises (MotJaxError, naming the cause and the last checkpoint on disk) from the
+next `save`, `check` or `close`; `close()` waits for them.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import orbax.checkpoint as ocp
 
-from mot_jax.errors import MotJaxError
+from mot_jax.errors import MotJaxError, cause
+
+# what the training loop and load_trained read from a checkpoint's meta (every saved version has them)
+META_KEYS = ("step", "channel_map", "identity", "config", "initial_validation", "best_validation_loss")
 
 
 def _manager(path, keep: int, create: bool) -> ocp.CheckpointManager:
@@ -31,17 +37,45 @@ class Checkpoints:
 
     def save(self, step: int, state, meta: dict, best: bool = False):
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
-        self.last.save(step, args=args, force=True)
-        if best:
-            self.best.save(step, args=args, force=True)
+        with self._saving():
+            self.last.save(step, args=args, force=True)
+            if best:
+                self.best.save(step, args=args, force=True)
+
+    def check(self):
+        """Raise the error of a background save that has failed (cheap; call it every step)."""
+        with self._saving():
+            self.last.check_for_errors()
+            self.best.check_for_errors()
+
+    @contextlib.contextmanager
+    def _saving(self):
+        try:
+            yield
+        except MotJaxError:
+            raise
+        except Exception as e:  # a full disk, lost permissions, a cloud bucket's error
+            self.last.reload()
+            kept = self.last.latest_step()
+            kept = f"the last checkpoint is step {kept}" if kept else "no checkpoint was written"
+            raise MotJaxError(
+                f"Saving a checkpoint in {self.workdir} failed ({type(e).__name__}: {cause(e)}); stopped, {kept}. "
+                "Free space (or fix the folder) and run the same command to resume."
+            ) from None
 
     def read_meta(self, step: int | None = None, which: str = "last") -> dict:
         manager = self.best if which == "best" else self.last
         step = manager.latest_step() if step is None else step
         try:
-            return manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+            meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+            missing = [k for k in META_KEYS if k not in meta]
         except Exception as e:
             raise self._unreadable(manager, step, e) from None
+        if missing:
+            raise self._unreadable(
+                manager, step, f"its meta has no {', '.join(missing)}: written by another version or program"
+            )
+        return meta
 
     def restore(self, state, step: int | None = None, which: str = "last"):
         """The saved arrays in the structure, dtypes and shardings of `state` (a live or abstract pytree); leaves
@@ -57,13 +91,18 @@ class Checkpoints:
             raise self._unreadable(manager, step, e) from None
 
     def _unreadable(self, manager, step, error):
+        reason = error if isinstance(error, str) else f"{type(error).__name__}: {cause(error)[:200]}"
         return MotJaxError(
-            f"The checkpoint of step {step} in {manager.directory} cannot be read ({type(error).__name__}: "
-            f"{str(error)[:200]}); delete that step's folder to fall back to an earlier one, or use a new --workdir."
+            f"The checkpoint of step {step} in {manager.directory} cannot be read ({reason}); delete that step's "
+            "folder to fall back to an earlier one, or use a new --workdir."
         )
 
     def close(self):
-        self.last.wait_until_finished()
-        self.best.wait_until_finished()
-        self.last.close()
-        self.best.close()
+        """Wait for the saves in flight (raising if one failed) and stop Orbax's threads, whatever happens."""
+        try:
+            with self._saving():
+                self.last.wait_until_finished()
+                self.best.wait_until_finished()
+        finally:
+            self.last.close()
+            self.best.close()

@@ -117,3 +117,20 @@ def parse_arg(arg: str | None, allowed=("tiny",)) -> str | None:
     if arg not in (None, "", *allowed):
         raise MotJaxError(f"Unknown config argument {arg!r}; use one of: {', '.join(allowed)} (or none).")
     return arg or None
+
+
+# keys that count or divide: each must be a whole number of at least this
+COUNTS = dict(
+    steps=1, batch_size=1, grad_accum=1, log_every=1, eval_every=1, checkpoint_every=1, keep_checkpoints=1,
+    eval_batches=1, final_eval_batches=0,
+)  # fmt: skip
+
+
+def check(c: ml_collections.ConfigDict):
+    """Refuse counts that cannot run (before anything is loaded or written)."""
+    for key, least in COUNTS.items():
+        value = c[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise MotJaxError(
+                f"{key}={value!r} must be a whole number of at least {least}; pass --config.{key}=N with N >= {least}."
+            )

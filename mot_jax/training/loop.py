@@ -3,12 +3,15 @@
 Frozen source and target LLMs (replicated, or FSDP-split over `data`), translator experts sharded over the
 `expert` mesh axis, batches over `data`; one jitted step does the frozen forwards, the Context Correction loss and
 its gradient for every micro-batch (a scan: gradient accumulation) and one AdamW update. The run resumes from the
-workdir's latest checkpoint, stops on a non-finite loss (keeping the last good checkpoint), and ends with a short
-held-out comparison of the translated cache against no context and the native context.
+workdir's latest checkpoint, holds a lock on the workdir for its whole life, stops on a non-finite loss or state, a
+failed save or Ctrl-C in one line (keeping the last good checkpoint: a checkpoint is only saved once a forward on it
+gave a finite loss), and ends with a short held-out comparison of the translated cache against no context and the
+native context.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -28,8 +31,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from mot_jax import multihost, sharding
 from mot_jax.errors import MotJaxError
+from mot_jax.locks import file_lock
 from mot_jax.models.gguf import cache_root
 from mot_jax.models.loading import load_model, load_tokenizer, resolve_dtype
+from mot_jax.training import config as config_lib
 from mot_jax.training import corpus, data, objective
 from mot_jax.training.checkpoint import Checkpoints
 from mot_jax.training.optim import adamw
@@ -193,7 +198,9 @@ class Trainer:
         grads = jax.tree.map(lambda g: g / batches.context.shape[0], grads)
         metrics = jax.tree.map(jnp.mean, metrics) | dict(grad_norm=optax.global_norm(grads))
         updates, opt_state = self.tx.update(grads, state["opt_state"], state["params"])
-        return dict(state, params=optax.apply_updates(state["params"], updates), opt_state=opt_state), metrics
+        state = dict(state, params=optax.apply_updates(state["params"], updates), opt_state=opt_state)
+        floats = [x for x in jax.tree.leaves(state) if jnp.issubdtype(x.dtype, jnp.floating)]
+        return state, metrics | dict(state_finite=jnp.all(jnp.stack([jnp.isfinite(x).all() for x in floats])))
 
     def _eval_step(self, params, llm_states, batch):
         return self._loss(params, llm_states, batch)(params)[1]
@@ -262,7 +269,8 @@ def stack(batches: list) -> dict:
 
 def fit(trainer: Trainer, stream, start: int, steps: int, on_step=None):
     """Run steps [start, steps) with micro-batches `stream.batch(position)` (prepared on a background thread while
-    the device computes); `on_step(step, metrics, seconds)` after each. Raises on a non-finite loss, naming the step."""
+    the device computes); `on_step(step, metrics, seconds)` after each. Raises NonFinite, naming the step, on a
+    non-finite loss or a non-finite state after the update."""
     accum = trainer.config.grad_accum
     micro_batches = data.prefetch(stream, start * accum, (steps - start) * accum)
     try:
@@ -270,17 +278,40 @@ def fit(trainer: Trainer, stream, start: int, steps: int, on_step=None):
             began = time.perf_counter()
             metrics = jax.device_get(trainer.train_step(stack([next(micro_batches) for _ in range(accum)])))
             if not math.isfinite(float(metrics["loss"])):
-                raise NonFiniteLoss(step + 1, float(metrics["loss"]))
+                raise NonFinite(step + 1, f"The loss became {float(metrics['loss'])}")
+            if not metrics.pop("state_finite"):
+                raise NonFinite(step + 1, "The parameters or optimizer state became non-finite")
             if on_step:
                 on_step(step + 1, metrics, time.perf_counter() - began)
     finally:
         micro_batches.close()
 
 
-class NonFiniteLoss(MotJaxError):
-    def __init__(self, step, value):
-        super().__init__(f"The loss became {value} at step {step}")
+class NonFinite(MotJaxError):
+    def __init__(self, step, what):
+        super().__init__(f"{what} at step {step}")
         self.step = step
+
+
+class Interrupted(MotJaxError):
+    exit_status = 130  # the shell's status for Ctrl-C
+
+
+def workdir_lock(workdir: epath.Path):
+    """One run per workdir, for the run's whole life: each process of a run takes its own lock file there (process
+    0 `.lock`, process i `.lock.i`), so every process of a second run is refused at once, before any of them waits
+    for the others in a collective, while the processes of one run never block each other. A gs:// workdir, or a
+    file system without flock, runs unlocked."""
+    stack = contextlib.ExitStack()
+    if "://" not in str(workdir):
+        i = jax.process_index()
+        path = Path(workdir) / (".lock" if i == 0 else f".lock.{i}")
+        busy = f"Another training run is using {workdir}; wait for it to end, or pass a new --workdir."
+        try:
+            stack.enter_context(file_lock(path, busy=busy))
+        except OSError as e:
+            logging.warning("No lock on %s (%s): nothing stops a second run there.", workdir, e)
+    return stack
 
 
 def search_channels(config, pair: Pair, datasets, mesh, workdir: epath.Path) -> channels.ChannelMap:
@@ -396,15 +427,30 @@ def evaluation_table(results: dict) -> str:
 
 def train_and_evaluate(config, workdir) -> dict:
     """Train (or resume) the config's translator in `workdir`; returns the final summary."""
+    config_lib.check(config)
+    mesh = make_mesh(config)
     workdir = as_path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    multihost.check_shared(workdir)
-    mesh = make_mesh(config)
-    with multihost.prepare_lock(cache_root()):  # processes on one host: the first builds caches, the others read
-        pair = load_pair(config)
-        datasets = make_datasets(config, pair, multihost.local_rows(mesh, config.batch_size))
-    checkpoints = Checkpoints(workdir, config.keep_checkpoints)
+    with workdir_lock(workdir):
+        multihost.check_shared(workdir)
+        with multihost.prepare_lock(cache_root()):  # processes on one host: the first builds caches, the others read
+            pair = load_pair(config)
+            datasets = make_datasets(config, pair, multihost.local_rows(mesh, config.batch_size))
+        checkpoints = Checkpoints(workdir, config.keep_checkpoints)
+        try:
+            return train_in(workdir, config, mesh, pair, datasets, checkpoints)
+        finally:
+            checkpoints.close()  # waits for the last save and stops Orbax's threads on every way out
+
+
+def train_in(workdir, config, mesh, pair: Pair, datasets: Datasets, checkpoints: Checkpoints) -> dict:
+    """train_and_evaluate once the workdir is locked and the models and data are loaded."""
     start = checkpoints.latest_step() or 0
+    if config.steps < start:
+        raise MotJaxError(
+            f"{workdir} is at step {start}, past --config.steps={config.steps}; pass --config.steps above {start} "
+            "to train on, or a new --workdir."
+        )
     meta = checkpoints.read_meta(start) if start else {}
     if start:
         channel_map = channels.ChannelMap.from_json(meta["channel_map"])
@@ -431,8 +477,7 @@ def train_and_evaluate(config, workdir) -> dict:
     logging.info("Translator: %d parameters; channel map %s", count_params(trainer.state["params"]), channel_map)
     accum = config.grad_accum
     tokens_per_step = config.batch_size * accum * config.data.total_tokens
-    logger = Logger(workdir, config.steps, start, tokens_per_step, config.log_every)
-    began, last_saved, last_validation = time.perf_counter(), start, None
+    began, last_saved, last_validation, done = time.perf_counter(), start, None, start
 
     def meta_at(step):
         return dict(
@@ -441,30 +486,39 @@ def train_and_evaluate(config, workdir) -> dict:
         )  # fmt: skip
 
     def on_step(step, metrics, seconds):
-        nonlocal best, last_saved, last_validation
+        nonlocal best, last_saved, last_validation, done
+        done = step
         logger.step(step, metrics, seconds, float(trainer.schedule(step - 1)))
+        checkpoints.check()  # a background save that failed stops the run at once
         last = step == config.steps
-        improved = False
+        val, improved = None, False
         if step % config.eval_every == 0 or last:
             val = trainer.evaluate(validation)
             logger.scalars(step, val, "validation")
             logging.info("step %d: validation loss %.4f (ce %.4f)", step, val["loss"], val["ce"])
             improved, best, last_validation = val["loss"] < best, min(best, val["loss"]), val
         if step % config.checkpoint_every == 0 or last:
+            # this step's training loss came from the state before its update: check the state to be saved itself
+            loss = (val or trainer.evaluate(validation[:1]))["loss"]
+            if not math.isfinite(loss):
+                raise NonFinite(step, f"The validation loss became {loss} after the update")
             checkpoints.save(step, trainer.state, meta_at(step), best=improved)
             last_saved = step
 
+    logger = Logger(workdir, config.steps, start, tokens_per_step, config.log_every)
     try:
         fit(trainer, datasets.train, start, config.steps, on_step)
-    except NonFiniteLoss as e:
-        logger.close()
-        checkpoints.close()
+    except NonFinite as e:
         kept = f"the last good checkpoint is step {last_saved}" if last_saved else "no checkpoint was written"
         raise MotJaxError(
             f"{e} (non-finite); stopped, {kept} in {workdir}; lower --config.optim.learning_rate or use float32."
         ) from None
-    logger.close()
-    checkpoints.close()
+    except KeyboardInterrupt:
+        kept = f"the last checkpoint is step {last_saved}" if last_saved else "no checkpoint was written"
+        message = f"interrupted after step {done}; {kept} in {workdir}; run the same command to resume."
+        raise Interrupted(message) from None
+    finally:
+        logger.close()
     results = trainer.baselines(held_out) | dict(untrained=initial["held_out_ce"])
     summary = dict(
         steps=config.steps,

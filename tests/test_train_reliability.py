@@ -1,0 +1,170 @@
+"""Training runs that go wrong: bad counts, a busy workdir, a diverging run, a full disk, Ctrl-C; each stops in one
+line and keeps only checkpoints that are good."""
+
+import errno
+import math
+import signal
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from orbax.checkpoint._src.handlers import json_checkpoint_handler
+from test_train_run import ROOT, TINY, load_config, run_cli
+
+from mot_jax.errors import MotJaxError
+from mot_jax.locks import file_lock
+from mot_jax.training import loop, optim
+from mot_jax.training.checkpoint import Checkpoints
+
+FAST = {"translator.channels.mode": "terminal"}  # no channel search: one trainer per run
+
+
+@pytest.mark.parametrize(
+    "key,value", [("batch_size", -2), ("batch_size", 0), ("grad_accum", 0), ("steps", -5), ("checkpoint_every", 0)]
+)
+def test_bad_counts_are_refused_before_anything_is_written(tmp_path, key, value):
+    with pytest.raises(MotJaxError, match=rf"^{key}={value} must be a whole number of at least 1"):
+        loop.train_and_evaluate(load_config(**{key: value}), tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    "flags,reason",
+    [
+        (["--config.batch_size=-2"], "batch_size=-2 must be a whole number of at least 1"),
+        (["--config.grad_accum=0"], "grad_accum=0 must be a whole number of at least 1"),
+        (["--config=configs/nope.py"], "the config file configs/nope.py does not exist"),
+    ],
+)
+def test_bad_input_on_the_command_line_is_one_line(tmp_path, flags, reason):
+    result = run_cli(tmp_path / "run", *flags)  # a later --config replaces the tiny one
+    # absl's error lines start with E and the date; the one line we print starts with "error: "
+    errors = [line for line in result.stderr.splitlines() if line.startswith(("E", "error"))]
+    assert result.returncode == 2 and len(errors) == 1 and errors[0].startswith(f"error: {reason}"), errors
+    assert "Traceback" not in result.stderr and not (tmp_path / "run").exists()
+
+
+def test_a_busy_workdir_is_refused(tmp_path, monkeypatch):
+    with file_lock(tmp_path / ".lock"):  # as another run holds it
+        with pytest.raises(MotJaxError, match=f"^Another training run is using {tmp_path};"):
+            loop.train_and_evaluate(load_config(), tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock"]
+    # the processes of one multi-process run each hold their own lock: they never refuse each other
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    with loop.workdir_lock(loop.as_path(tmp_path)), pytest.raises(MotJaxError, match="Another training run"):
+        with loop.workdir_lock(loop.as_path(tmp_path)):
+            pass
+    with file_lock(tmp_path / ".lock", busy="process 0's lock is taken"), loop.workdir_lock(loop.as_path(tmp_path)):
+        pass
+
+
+def checkpoint_losses(trainer, workdir, validation) -> dict:
+    """The validation loss of every checkpoint kept in `workdir`, recomputed from its restored state."""
+    checkpoints = Checkpoints(loop.as_path(workdir), 3)
+    losses = {}
+    for step in checkpoints.last.all_steps():
+        trainer.state = checkpoints.restore(trainer.state, step)
+        losses[step] = trainer.evaluate(validation)["loss"]
+    checkpoints.close()
+    return losses
+
+
+def recording(monkeypatch):
+    """Keeps the run's trainer and validation batches for the test to check its checkpoints with."""
+    seen = {}
+
+    class Recorded(loop.Trainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            seen["trainer"] = self
+
+    make_datasets = loop.make_datasets
+    monkeypatch.setattr(loop, "Trainer", Recorded)
+    monkeypatch.setattr(loop, "make_datasets", lambda *a: seen.setdefault("datasets", make_datasets(*a)))
+    return seen
+
+
+def test_a_diverging_run_keeps_only_finite_checkpoints_and_names_the_last(tmp_path, monkeypatch):
+    # a sane rate for two updates, then a huge one: the loss of step 3 is still finite (it is computed before the
+    # update), the parameters after it are not usable
+    monkeypatch.setattr(optim, "warmup_cosine", lambda *a: lambda count: jnp.where(count < 2, 1e-3, 1e30))
+    seen = recording(monkeypatch)
+    config = load_config(steps=4, checkpoint_every=1, **FAST)
+    with pytest.raises(MotJaxError, match=r"non-finite\); stopped, the last good checkpoint is step (\d)") as e:
+        loop.train_and_evaluate(config, tmp_path)
+    named = int(str(e.value).split("last good checkpoint is step ")[1].split(" ")[0])
+    losses = checkpoint_losses(seen["trainer"], tmp_path, seen["datasets"].validation[: config.eval_batches])
+    assert losses and all(math.isfinite(v) for v in losses.values()), losses
+    assert named == max(losses) == 2, (str(e.value), losses)
+
+
+def disk_full_after(saves: int, monkeypatch, calls: dict):
+    """Orbax's JSON writes (every checkpoint's meta) fail with ENOSPC after the first `saves`."""
+    save = json_checkpoint_handler.JsonCheckpointHandler._save_fn
+
+    async def failing(self, x, directory):
+        calls["save"] = calls.get("save", 0) + 1
+        if calls["save"] > saves:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return await save(self, x, directory)
+
+    monkeypatch.setattr(json_checkpoint_handler.JsonCheckpointHandler, "_save_fn", failing)
+
+
+DISK_FULL = r"failed \(OSError: \[Errno 28\] No space left on device\); stopped, the last checkpoint is step 1"
+
+
+def test_a_failed_background_save_is_one_error_naming_the_last_checkpoint(tmp_path, monkeypatch):
+    disk_full_after(1, monkeypatch, {})
+    checkpoints = Checkpoints(loop.as_path(tmp_path), 3)
+    state = dict(w=jnp.ones(3))
+    checkpoints.save(1, state, dict(step=1))
+    checkpoints.save(2, state, dict(step=2))  # fails in the background
+    with pytest.raises(MotJaxError, match=DISK_FULL):
+        checkpoints.close()
+    assert Checkpoints(loop.as_path(tmp_path), 3).latest_step() == 1
+
+
+@pytest.mark.slow
+def test_a_failed_save_stops_the_run_and_keeps_the_last_checkpoint(tmp_path, monkeypatch):
+    calls, step = {"step": 0}, loop.Trainer.train_step
+    disk_full_after(1, monkeypatch, calls)
+
+    def counted(self, batches):
+        calls["step"] += 1
+        return step(self, batches)
+
+    monkeypatch.setattr(loop.Trainer, "train_step", counted)
+    config = load_config(steps=6, checkpoint_every=1, eval_every=6, **FAST)
+    with pytest.raises(MotJaxError, match=DISK_FULL):
+        loop.train_and_evaluate(config, tmp_path)
+    assert calls["step"] <= 3  # the save of step 2 fails while step 3 runs, at the latest
+    assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == [1]
+    checkpoints = Checkpoints(loop.as_path(tmp_path), 3)
+    assert checkpoints.read_meta(1)["step"] == 1
+    checkpoints.close()
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_in_one_line_and_exits(tmp_path):
+    script = (
+        "import os, signal; from mot_jax.training import loop; step = loop.Trainer.train_step\n"
+        "def interrupting(self, batches, calls=[0]):\n"
+        "    calls[0] += 1\n"
+        "    if calls[0] == 3: os.kill(os.getpid(), signal.SIGINT)\n"
+        "    return step(self, batches)\n"
+        "loop.Trainer.train_step = interrupting\n"
+        "from mot_jax import train; train.run()"
+    )
+    command = [sys.executable, "-c", script, *TINY, f"--workdir={tmp_path}", "--config.steps=6",
+               "--config.checkpoint_every=2", "--config.translator.channels.mode=terminal"]  # fmt: skip
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 128 + signal.SIGINT, result.stderr[-2000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: interrupted after step 2; the last checkpoint is step 2 in {tmp_path}; run the same "
+                      "command to resume."], result.stderr[-2000:]  # fmt: skip
+    assert "Traceback" not in result.stderr and "cannot schedule" not in result.stderr
+    assert np.isfinite(Checkpoints(loop.as_path(tmp_path), 3).read_meta(2)["best_validation_loss"])
