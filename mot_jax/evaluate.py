@@ -2,8 +2,10 @@
 `python -m mot_jax.evaluate --workdir=DIR [--compare=DIR2,DIR3] [--task=T --data=D] [--config.key=value]`.
 
 The translator in DIR (and those in --compare, runs of the same model pair) and the baselines (no context, native
-context, text relay) answer the same examples; the tables are printed and written to DIR/eval (or --out) as
-results.json, results.md, predictions.jsonl and plots. Keys and defaults: mot_jax/evals/config.py.
+context, text relay) answer the same examples, with a shuffled-source control beside each translator (its
+translation made from another example's source cache; --config.shuffled_source=false leaves it out); the tables
+are printed and written to DIR/eval (or --out) as results.json, results.md, predictions.jsonl and plots. Keys and
+defaults: mot_jax/evals/config.py.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ from mot_jax.evals.config import defaults
 from mot_jax.models.base import generate
 from mot_jax.training import loop
 from mot_jax.training.config import base, tiny
+from mot_jax.translate import align as alignment_lib
 from mot_jax.translate.translator import KVTranslator, TranslationSpec, mixture_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -124,7 +125,7 @@ def test_report_files_are_written_and_parse(trained_workdir, tmp_path):
     results = run.evaluate(trained_workdir, small_config(), out=out)
     saved = json.loads((out / "results.json").read_text())
     assert set(saved["tasks"]) == {"extractive_qa", "closed_qa", "long_context", "multi_agent"}
-    names = ["no_context", "native", "text_relay", "MoT replay"]
+    names = ["no_context", "native", "text_relay", "MoT replay", "MoT replay, shuffled source"]
     assert list(saved["tasks"]["extractive_qa"]["methods"]) == names
     assert saved["tasks"]["closed_qa"]["methods"]["native"]["retention"] in (None, 100.0)
     assert list(saved["tasks"]["long_context"]["budgets"]) == ["48", "96"]
@@ -267,3 +268,108 @@ def test_a_jsonl_file_that_is_not_utf8_is_named_with_its_line(tmp_path):
     native.write_bytes(b'[\n{"a": 1},\n{"b": "\xff"}]\n')
     with pytest.raises(MotJaxError, match=f"{re.escape(str(native))}:3: not UTF-8 text"):
         datasets._local_rows("squad", native)
+
+
+class Zero(nnx.Module):
+    """A translator mixture whose output does not depend on what it reads."""
+
+    def __init__(self, width):
+        self.width = width
+
+    def __call__(self, x, mask):
+        return jnp.zeros((*x.shape[:-1], self.width), x.dtype), {}
+
+
+def direct_translator(pair, seed=0):
+    spec = TranslationSpec.build("direct", None, pair.source.config.num_layers, pair.target.config.num_layers)
+    config = mixture_config(spec, pair.source, pair.target, dim=8, heads=1, depth=1)
+    return KVTranslator(spec, config, rngs=nnx.Rngs(seed))
+
+
+def test_shuffled_source_equals_the_translation_when_the_translator_ignores_the_source(pair):
+    """With a translator that reads nothing, another example's source changes nothing: this row's own target grid
+    (positions, mask, first token) is kept, whatever the lengths of the two examples."""
+    translator = direct_translator(pair)
+    width = pair.target.config.num_kv_heads * pair.target.config.head_dim
+    translator.key, translator.value = Zero(width), Zero(width)
+    method = engine.Translated("zero", translator, "-", 0)
+    examples = synthetic.examples("extractive_qa", 3, seed=7)
+    contexts, _, _ = next(engine.batches(pair, examples, engine.Settings(batch_size=3), donors=True))
+    assert len(set(contexts.mask.sum(1))) > 1  # the rows differ in length: the donor's grid is not this row's
+    normal, _ = method.build(pair, contexts, contexts.length, engine.Stopwatch())
+    shuffled, _ = engine.ShuffledSource(method).build(pair, contexts, contexts.length, engine.Stopwatch())
+    for field in ("k", "v", "positions", "valid"):
+        np.testing.assert_array_equal(getattr(shuffled, field), getattr(normal, field))
+    results = engine.evaluate_examples(pair, [method, engine.ShuffledSource(method)], examples, SETTINGS)
+    assert results["zero, shuffled source"]["predictions"] == results["zero"]["predictions"]
+
+
+def test_shuffled_source_row_is_the_translation_of_another_examples_source(pair):
+    """Row b's cache is the normal translation of its donor's (the next example's) context, built here on its own
+    through CacheTranslator; the prefixes are cut to one length so both grids agree."""
+    from mot_jax.translate.translator import CacheTranslator
+
+    translator = direct_translator(pair, seed=1)
+    method = engine.Translated("MoT direct", translator, "-", 0)
+    examples = synthetic.examples("extractive_qa", 3, seed=8)
+    settings = engine.Settings(batch_size=2, budget=120)  # the last batch holds one row: its donor is example 0
+    translate = CacheTranslator(pair.source, pair.target, pair.source_tokenizer, pair.target_tokenizer, translator)
+    checked = 0
+    for contexts, _, _ in engine.batches(pair, examples, settings, donors=True):
+        assert (contexts.mask.sum(1) == 120).all()
+        shuffled, _ = engine.ShuffledSource(method).build(pair, contexts, contexts.length, engine.Stopwatch())
+        normal, _ = method.build(pair, contexts, contexts.length, engine.Stopwatch())
+        for b, example in enumerate(contexts.examples):
+            donor = examples[(examples.index(example) + 1) % len(examples)]
+            ids = engine.token_ids(pair.target_tokenizer, [engine.prefix_text(donor, False)], True)[0][:120]
+            own = translate.from_target_ids(np.array([ids]), np.ones((1, 120), bool))
+            np.testing.assert_allclose(shuffled.k[:, b, :, :120], own.k[:, 0], atol=1e-5)
+            np.testing.assert_allclose(shuffled.v[:, b, :, :120], own.v[:, 0], atol=1e-5)
+            assert not np.allclose(shuffled.v[:, b, :, 60:120], normal.v[:, b, :, 60:120], atol=1e-3)
+            checked += 1
+    assert checked == 3
+
+
+def test_shuffled_source_alignment_is_carried_onto_this_rows_grid_by_position():
+    """Row 0: 2 tokens from a donor's 4 take donor tokens 0 and 2; row 1: 6 tokens from 3 take 0, 0, 1, 1, 2, 2,
+    and a source token aligned to donor token r goes to this row's first token that took r or later."""
+    weights = np.zeros((2, 4, 3), np.float32)
+    for b, t, s in [(0, 0, 0), (0, 1, 1), (0, 2, 2), (0, 3, 2), (1, 0, 0), (1, 1, 1), (1, 2, 2)]:
+        weights[b, t, s] = 1
+    donor = alignment_lib.Alignment(weights, np.array([[0, 1, 2, 2], [0, 1, 2, 0]]), np.array([[0, 1, 2], [0, 1, 2]]))
+    donor_mask = np.array([[1, 1, 1, 1], [1, 1, 1, 0]], bool)
+    mask = np.array([[1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1]], bool)
+    source_mask = np.array([[1, 1, 1], [1, 1, 1]], bool)
+    got = engine.regrid(donor, donor_mask, mask, source_mask)
+    np.testing.assert_array_equal(got.weights[0, :2], weights[0, [0, 2]])
+    assert not got.weights[0, 2:].any()
+    np.testing.assert_array_equal(got.weights[1], weights[1, [0, 0, 1, 1, 2, 2]])
+    np.testing.assert_array_equal(got.target_to_source, [[0, 2, 0, 0, 0, 0], [0, 0, 1, 1, 2, 2]])
+    np.testing.assert_array_equal(got.source_to_target, [[0, 1, 1], [0, 2, 4]])
+
+
+def test_shuffled_source_donors_skip_examples_with_the_same_context():
+    a, b = dict(context="one", question="q1"), dict(context="two", question="q2")
+    assert engine.donor_indices([a, dict(a, question="q3"), b]) == [2, 2, 0]
+    with pytest.raises(MotJaxError, match="at least two different contexts.*--config.shuffled_source=false"):
+        engine.donor_indices([a, dict(a, question="q3")])
+
+
+def test_shuffled_source_rows_in_the_report_and_off_by_config(trained_workdir, tmp_path):
+    """Beside the translated method on every task that runs one, in results.json, results.md and predictions.jsonl,
+    and not in the TTFT table; `shuffled_source=False` leaves it out."""
+    config = small_config(tasks="extractive_qa,multi_agent", ttft_lengths="32", methods="native", memory=False)
+    out = tmp_path / "report"
+    run.evaluate(trained_workdir, config, out=out)
+    saved = json.loads((out / "results.json").read_text())
+    names = ["native", "MoT replay", "MoT replay, shuffled source"]
+    for task in ("extractive_qa", "multi_agent"):
+        assert list(saved["tasks"][task]["methods"]) == names
+    assert saved["tasks"]["multi_agent"]["methods"][names[2]]["context_seconds"] is None
+    assert {r["method"] for r in saved["latency"]} == set(names[:2])
+    assert "| MoT replay, shuffled source |" in (out / "results.md").read_text()
+    rows = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
+    assert sum(r["method"] == names[2] for r in rows) == 2 + 2 * 2
+    off = small_config(tasks="extractive_qa", ttft_lengths="", methods="native", shuffled_source=False)
+    results = run.evaluate(trained_workdir, off, out=tmp_path / "off")
+    assert list(results["tasks"]["extractive_qa"]["methods"]) == ["native", "MoT replay"]

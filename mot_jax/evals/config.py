@@ -24,6 +24,7 @@ def defaults() -> ml_collections.ConfigDict:
     c.ttft_runs = 3  # median of this many timed runs after a warm-up
     c.memory = True  # XLA's memory plan per method at the longest TTFT length (compiles each program again)
     c.which = "last"  # the checkpoint evaluated: last | best (validation loss) | a step number
+    c.shuffled_source = True  # a control row beside each translated method: translated from another example's source
     c.replay_attention = "trained"  # replay translators, once per entry: trained | dense | K (top-K keys per query)
     c.dtype = ""  # LLM dtype; "" = the training run's
     return c

@@ -9,7 +9,10 @@ Methods (all on the same examples, in one run):
 - `native`: the target reads the passage as text (the upper bound);
 - `text_relay`: the source writes a summary of the passage, the target reads the summary (a raw-text relay is the
   `native` row: the target re-prefills the same text);
-- translated (one per training workdir): the source reads the passage and the translator builds the target cache.
+- translated (one per training workdir): the source reads the passage and the translator builds the target cache;
+- `<translated>, shuffled source` (a control beside each translated method, `ShuffledSource`): the same translator
+  builds this example's cache from another example's source cache, so the translation carries none of this
+  example's passage; a translated method carries the context only where it beats this row.
 """
 
 from __future__ import annotations
@@ -130,6 +133,7 @@ class Contexts:
     ids: np.ndarray  # [B, T] target ids of the prefix (BOS, instruction, passage), right-padded, within budget
     mask: np.ndarray
     passages: list[str]  # the passage text each row's prefix holds (after truncation to the budget)
+    donors: Contexts | None = None  # row by row, another example's contexts (with another passage): ShuffledSource
 
     @property
     def length(self) -> int:
@@ -220,8 +224,9 @@ class Translated(Method):
         self.name, self.translator, self.workdir, self.step = name, translator, workdir, step
         self.load = {}  # "key" / "value" -> tokens routed to each expert, summed over the evaluation
 
-    def build(self, models, contexts, capacity, watch):
-        spec = self.translator.spec
+    def read_source(self, models, contexts, watch):
+        """The source's side of a batch: (source cache, its attention top-k, alignment onto the contexts' target
+        grid, source mask), the source having read the contexts' text."""
         source_ids, source_mask, alignment = alignment_lib.align_batch(
             models.target_tokenizer, models.source_tokenizer, contexts.ids, contexts.mask
         )
@@ -233,20 +238,82 @@ class Translated(Method):
             )
         bucket = -(-source_ids.shape[1] // BUCKET) * BUCKET
         source_ids, source_mask, alignment = alignment_lib.pad_source(source_ids, source_mask, alignment, bucket)
-        topk = spec.attention_topk
+        topk = self.translator.spec.attention_topk
         source_cache, source_topk = watch.lap(
             "source_prefill", source_prefill(models.source, source_ids, source_mask, topk=topk)
         )
-        cache, aux = watch.lap(
+        return source_cache, source_topk, alignment, source_mask
+
+    def translate(self, models, contexts, read, capacity, watch):
+        """(target cache, aux) of the translator writing the contexts' target grid from `read` (`read_source`)."""
+        source_cache, source_topk, alignment, _ = read
+        return watch.lap(
             "translation",
             _translate_jit(self.translator, models.source, models.target, source_cache, alignment, contexts.ids,
                            contexts.mask, source_topk, capacity=capacity),
         )  # fmt: skip
+
+    def handed(self, models, source_mask) -> np.ndarray:
+        layers = len(set(self.translator.spec.source_layers))  # the source layers the translator reads
+        return np.array([kv_bytes(models.source, int(n), layers) for n in np.asarray(source_mask).sum(1)])
+
+    def build(self, models, contexts, capacity, watch):
+        read = self.read_source(models, contexts, watch)
+        cache, aux = self.translate(models, contexts, read, capacity, watch)
         for part in ("key", "value"):
             if "stats" in aux.get(part, {}):
                 self.load[part] = self.load.get(part, 0) + np.asarray(aux[part]["stats"]["load"], np.float64)
-        layers = len(set(spec.source_layers))  # the source layers the translator reads
-        return cache, np.array([kv_bytes(models.source, int(n), layers) for n in source_mask.sum(1)])
+        return cache, self.handed(models, read[3])
+
+
+class ShuffledSource(Method):
+    """The control beside a translated method: each example's cache translated from another example's source cache.
+
+    Row b's donor is the next example (cyclically, over all the task's examples, so a batch of one row has one too)
+    whose context differs from row b's (datasets such as SQuAD ask several questions about one passage). The source
+    reads the donor's prefix, and the donor's alignment is carried onto row b's own target grid by position:
+    row b's i-th of n valid tokens takes the donor's floor(i * m / n)-th of m (the identity when n = m), and each
+    donor source token goes to the first of row b's tokens that took its donor token or a later one. The translator
+    then writes row b's grid (its positions, its mask) from the donor's source K/V. What it reads of row b is the
+    number and positions of its tokens and its first token, whose K/V are the target's own (a BOS or the
+    instruction's first token, the same for every example): never row b's passage. The target prompt (row b's
+    question) is row b's. A replay translator's target still reads row b's text itself, as the method does, so
+    there the row tells whether the translated window adds anything to that reading.
+    """
+
+    source_stage = "source_prefill"
+
+    def __init__(self, method: Translated):
+        self.method, self.name = method, f"{method.name}, shuffled source"
+
+    def build(self, models, contexts, capacity, watch):
+        if contexts.donors is None:
+            raise MotJaxError(f"{self.name} needs another example's context per row; build batches with donors.")
+        read = self.method.read_source(models, contexts.donors, watch)
+        source_cache, source_topk, alignment, source_mask = read
+        alignment = regrid(alignment, contexts.donors.mask, contexts.mask, source_mask)
+        cache, _ = self.method.translate(models, contexts, (source_cache, source_topk, alignment, source_mask),
+                                         capacity, watch)  # fmt: skip
+        return cache, self.method.handed(models, source_mask)
+
+
+def regrid(alignment, donor_mask, mask, source_mask) -> alignment_lib.Alignment:
+    """An alignment of source rows onto a donor's target grid (`donor_mask` [B, Td]) carried onto another target
+    grid (`mask` [B, T]) by position, as `ShuffledSource` describes: weights [B, T, S]."""
+    batch, length = np.shape(mask)
+    width = alignment.weights.shape[2]
+    weights = np.zeros((batch, length, width), np.float32)
+    to_source, to_target = np.zeros((batch, length), np.int32), np.zeros((batch, width), np.int32)
+    for b in range(batch):
+        mine, theirs = np.flatnonzero(mask[b]), np.flatnonzero(donor_mask[b])
+        n, m = len(mine), len(theirs)
+        pick = theirs[np.arange(n) * m // n]  # the donor token each of my tokens takes
+        weights[b, mine] = alignment.weights[b, pick]
+        to_source[b, mine] = alignment.target_to_source[b, pick]
+        rank = np.searchsorted(theirs, alignment.source_to_target[b])  # each source token's donor token, 0..m-1
+        first_taker = np.minimum(-(-rank * n // m), n - 1)
+        to_target[b] = np.where(np.asarray(source_mask[b], bool), mine[first_taker], 0)
+    return alignment_lib.Alignment(weights, to_source, to_target)
 
 
 def method_name(config) -> str:
@@ -287,8 +354,29 @@ def prefix_budgets(models, prefixes, suffixes, settings: Settings) -> list[int]:
     return budgets
 
 
-def batches(models, examples, settings: Settings, questions=None):
-    """(Contexts, suffix ids, suffix mask) per batch; `questions` replaces each example's question (multi-agent)."""
+def donor_indices(examples) -> list[int]:
+    """Per example, the next example (cyclically) whose context differs from its own: `ShuffledSource`'s donor."""
+    count = len(examples)
+    donors = []
+    for i, example in enumerate(examples):
+        others = [j % count for j in range(i + 1, i + count) if examples[j % count]["context"] != example["context"]]
+        if not others:
+            raise MotJaxError(
+                f"The shuffled-source control needs examples with at least two different contexts; these {count} "
+                "have one. Pass more examples (--config.examples) or turn it off (--config.shuffled_source=false)."
+            )
+        donors.append(others[0])
+    return donors
+
+
+def wants_donors(methods) -> bool:
+    return any(isinstance(m, ShuffledSource) for m in methods)
+
+
+def batches(models, examples, settings: Settings, questions=None, donors: bool = False):
+    """(Contexts, suffix ids, suffix mask) per batch; `questions` replaces each example's question (multi-agent);
+    `donors` attaches each row's donor contexts (`donor_indices`) for `ShuffledSource`."""
+    donor = donor_indices(examples) if donors else None
     closed = is_closed(examples)
     prefixes = token_ids(models.target_tokenizer, [prefix_text(e, closed) for e in examples], True)
     suffixes = token_ids(
@@ -305,6 +393,10 @@ def batches(models, examples, settings: Settings, questions=None):
         rows = slice(start, start + settings.batch_size)
         ids, mask = padded(prefixes[rows], BUCKET)
         contexts = Contexts(examples[rows], closed, ids, mask, passages[rows])
+        if donor:
+            picked = donor[rows]
+            contexts.donors = Contexts([examples[j] for j in picked], closed, *padded([prefixes[j] for j in picked],
+                                       BUCKET), [passages[j] for j in picked])  # fmt: skip
         yield contexts, *padded(suffixes[rows], SUFFIX_BUCKET)
 
 
@@ -348,7 +440,7 @@ def evaluate_examples(models, methods, examples, settings: Settings, progress=No
     closed = is_closed(examples)
     eos = tuple(models.target.config.eos_ids)
     rows = {m.name: dict(predictions=[], timed=[], handed=[]) for m in methods}
-    for contexts, suffix_ids, suffix_mask in batches(models, examples, settings):
+    for contexts, suffix_ids, suffix_mask in batches(models, examples, settings, donors=wants_donors(methods)):
         options = Options.of(models.target_tokenizer, contexts.examples) if closed else None
         capacity = contexts.length + max(suffix_ids.shape[1] + settings.max_new_tokens, options.length if closed else 0)
         for method in methods:
@@ -426,7 +518,8 @@ def evaluate_agents(models, methods, documents, settings: Settings, progress=Non
     eos = tuple(models.target.config.eos_ids)
     scores, predictions = {m.name: [] for m in methods}, {m.name: [] for m in methods}
     per_agent = [[d["questions"][k] for d in documents] for k in range(agents)]
-    suffix_batches = [list(batches(models, examples, settings, questions)) for questions in per_agent]
+    donors = wants_donors(methods)
+    suffix_batches = [list(batches(models, examples, settings, questions, donors)) for questions in per_agent]
     for index, (contexts, _, _) in enumerate(suffix_batches[0]):
         suffixes = [agent_batches[index][1:] for agent_batches in suffix_batches]
         capacity = contexts.length + max(s[0].shape[1] for s in suffixes) + settings.max_new_tokens
@@ -447,17 +540,19 @@ def evaluate_agents(models, methods, documents, settings: Settings, progress=Non
         if progress:
             progress(min((index + 1) * settings.batch_size, len(documents)), len(documents))
     results = {name: dict(f1=float(np.mean(values)), agents=agents) for name, values in scores.items()}
-    first = next(iter(batches(models, examples[:1], dataclasses.replace(settings, batch_size=1))))
+    first = next(iter(batches(models, examples, dataclasses.replace(settings, batch_size=1), donors=donors)))
     for method in methods:
-        stages = timed(models, method, first[0], first[1], first[2], settings, runs=3)
-        own = stages.pop(method.source_stage, 0.0) if method.source_stage else 0.0
-        stages.pop("answer", None)
-        once = sum(stages.values())
-        shared = isinstance(method, Translated | TextRelay)  # built once from the reader's work
+        shared = isinstance(method, Translated | TextRelay | ShuffledSource)  # built once from the reader's work
         copies = 1 if shared else agents
+        once = own = None  # a control's seconds are its method's
+        if not isinstance(method, ShuffledSource):
+            stages = timed(models, method, first[0], first[1], first[2], settings, runs=3)
+            own = stages.pop(method.source_stage, 0.0) if method.source_stage else 0.0
+            stages.pop("answer", None)
+            once = copies * sum(stages.values())
         cache, _ = method.build(models, first[0], capacity_for(first[0], first[1], 1), Stopwatch())
         results[method.name] |= dict(
-            context_seconds=copies * once,
+            context_seconds=once,
             reader_prefill_seconds=own,
             target_kv_bytes=copies * held_bytes(models.target, cache),
             shares_one_cache=shared,
@@ -520,7 +615,7 @@ def latency(models, methods, example: dict, lengths, settings: Settings, runs: i
         keep = int(contexts.mask.sum())
         contexts.ids, contexts.mask = contexts.ids[:, :keep], contexts.mask[:, :keep]  # exact length, no bucket
         for method in methods:
-            if method.name == "no_context":
+            if method.name == "no_context" or isinstance(method, ShuffledSource):  # its TTFT is its method's
                 continue
             stages = timed(models, method, contexts, suffix_ids, suffix_mask, settings, runs)
             cache, handed = method.build(models, contexts, capacity_for(contexts, suffix_ids, 1), Stopwatch())

@@ -17,6 +17,10 @@ def _pct(value) -> str:
     return "-" if value is None else f"{value:.1f}%"
 
 
+def _seconds(value) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
 def _table(header: list[str], rows: list[list]) -> list[str]:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" if i == 0 else "---:" for i in range(len(header)))]
     lines[1] += "|"
@@ -27,7 +31,7 @@ def task_table(task: str, entry: dict) -> list[str]:
     methods = entry["methods"]
     if task == "multi_agent":
         header = ["method", "F1", "retention", "context seconds / document", "target KV held (MiB)", "one shared cache"]
-        rows = [[name, f"{m['f1']:.3f}", _pct(m["retention"]), f"{m['context_seconds']:.3f}",
+        rows = [[name, f"{m['f1']:.3f}", _pct(m["retention"]), _seconds(m["context_seconds"]),
                  f"{m['target_kv_bytes'] / MIB:.2f}", "yes" if m["shares_one_cache"] else "no"]
                 for name, m in methods.items()]  # fmt: skip
         return _table(header, rows)
@@ -74,6 +78,10 @@ def markdown(results: dict) -> str:
         f"Data: {meta['data']}; greedy, {meta['config']['max_new_tokens']} new tokens; {meta['machine']}; "
         f"{meta['seconds']:.0f} s. Retention = the method's score as a percentage of native context's.",
     ]
+    if meta["config"].get("shuffled_source"):
+        lines[-1] += (" Rows named \"..., shuffled source\": the same translator writing each example's cache from "
+                      "another example's source cache (a control; a translated method carries the context only where "
+                      "it beats it; no TTFT of its own).")  # fmt: skip
     for task, entry in results["tasks"].items():
         lines += ["", f"## {task} ({entry['examples']} examples)", ""]
         lines += budget_table(entry) if task == "long_context" else task_table(task, entry)

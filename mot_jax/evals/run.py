@@ -1,6 +1,11 @@
 """One evaluation run: the trained translator(s) and the baselines on the same examples, then the report.
 
 `evaluate(workdir, config, compare=(), out=None)` is what `python -m mot_jax.evaluate` calls and tests call directly.
+
+Beside each translated method runs its shuffled-source control (`engine.ShuffledSource`, a row named e.g.
+"MoT direct, shuffled source": the same translator writing each example's cache from another example's source cache)
+on every task, without TTFT rows (its cost is its method's); `--config.shuffled_source=false` leaves it out. The
+other config keys and their defaults: mot_jax/evals/config.py.
 """
 
 from __future__ import annotations
@@ -135,7 +140,9 @@ def evaluate(workdir, config: ml_collections.ConfigDict, compare=(), out=None) -
     outputs.check_replaceable(out)  # before minutes of evaluation
     workdirs = [str(workdir), *map(str, compare)]
     translated, train_config = trained_methods(workdirs, config.which, config.replay_attention)
-    methods = baseline_methods(config) + translated
+    methods = baseline_methods(config)
+    for method in translated:  # each control row right after its method
+        methods += [method, engine.ShuffledSource(method)] if config.shuffled_source else [method]
     pair_config = ml_collections.ConfigDict(dict(source=train_config.source, target=train_config.target,
                                                  dtype=config.dtype or train_config.dtype))  # fmt: skip
     models = load_pair(pair_config)
