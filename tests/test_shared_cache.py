@@ -24,10 +24,11 @@ from pathlib import Path
 root, workers = Path(sys.argv[1]), int(sys.argv[2])
 os.environ["MOT_JAX_CACHE"] = str(root / "cache")
 from mot_jax.evals import datasets, synthetic
+from mot_jax import progress
 from mot_jax.models import gguf, tiny
 from mot_jax.training import corpus, data
 
-gguf.PROGRESS_EVERY = 0  # a progress line at every step (stderr is a pipe, not a terminal)
+progress.EVERY = 0  # a progress line at every step (stderr is a pipe, not a terminal)
 
 
 def counted(module, name, counts=lambda *a, **k: True):
@@ -105,10 +106,11 @@ def test_concurrent_processes_build_each_shared_cache_once(tmp_path):
 
 
 def test_long_cache_builds_report_progress_when_stderr_is_not_a_terminal(tmp_path, monkeypatch, capsys):
-    from mot_jax.models import gguf, tiny
+    from mot_jax import progress
+    from mot_jax.models import tiny
     from mot_jax.training import data
 
-    monkeypatch.setattr(gguf, "PROGRESS_EVERY", 0.0)
+    monkeypatch.setattr(progress, "EVERY", 0.0)
     texts = [f"Document {i} tells of ships, lighthouses and harbours." * 3 for i in range(5)]
     tokenizer = tiny.tokenizer(97)
     data.TextChunks(

@@ -14,7 +14,6 @@ import dataclasses
 import datetime
 import os
 import platform
-import sys
 import time
 
 import jax
@@ -25,6 +24,7 @@ from mot_jax import outputs
 from mot_jax.errors import MotJaxError
 from mot_jax.evals import datasets, engine, report, synthetic
 from mot_jax.evals.config import parse_list
+from mot_jax.progress import Progress
 from mot_jax.training.loop import as_path, load_pair
 from mot_jax.training.trained import load_trained
 
@@ -101,29 +101,6 @@ def baseline_methods(config) -> list:
     return [make[name]() for name in engine.BASELINES if name in names]
 
 
-class Progress:
-    """`progress(done, total)` for the engine: a tqdm bar of examples on a terminal (as training's steps), otherwise
-    tqdm's line in the log about every `every` seconds and at the end."""
-
-    def __init__(self, label: str, every: float = 30.0):
-        self.label, self.every, self.bar = label, every, None
-        self.began = self.logged = time.perf_counter()
-
-    def __call__(self, done: int, total: int):
-        from tqdm import tqdm
-
-        if self.bar is None:
-            self.bar = tqdm(total=total, desc=self.label, unit="example", dynamic_ncols=True,
-                            disable=not sys.stderr.isatty())  # fmt: skip
-        self.bar.update(done - self.bar.n)
-        now = time.perf_counter()
-        if self.bar.disable and (done >= total or now - self.logged >= self.every):
-            self.logged = now
-            logging.info("%s", tqdm.format_meter(done, total, now - self.began, prefix=self.label, unit="example"))
-        if done >= total:
-            self.bar.close()
-
-
 def evaluate(workdir, config: ml_collections.ConfigDict, compare=(), out=None) -> dict:
     """Evaluate the translator in `workdir` (and those in `compare`) with the baselines on `config`'s tasks; writes
     results.json, results.md, predictions.jsonl and plots to `out` (default WORKDIR/eval) and returns the results."""
@@ -157,7 +134,7 @@ def evaluate(workdir, config: ml_collections.ConfigDict, compare=(), out=None) -
     for task in tasks:
         logging.info("Evaluating %s on %s with %s", task, config.data or "the synthetic set", ", ".join(
             m.name for m in methods))  # fmt: skip
-        watch = Progress(task)
+        watch = Progress(task, "example")
         if task == "multi_agent":
             documents = examples(task, questions_per_example=config.agents)
             scores = engine.evaluate_agents(models, methods, documents, settings, watch)
@@ -166,7 +143,7 @@ def evaluate(workdir, config: ml_collections.ConfigDict, compare=(), out=None) -
             items, by_budget = examples(task, distractors=config.long_distractors), {}
             for budget in budgets:
                 run = dataclasses.replace(settings, budget=budget)
-                watch = Progress(f"{task} at {budget} tokens")
+                watch = Progress(f"{task} at {budget} tokens", "example")
                 scores = engine.evaluate_examples(models, methods, items, run, watch)
                 by_budget[str(budget)] = engine.add_retention(scores, "f1")
             results["tasks"][task] = dict(examples=len(items), budgets=by_budget)

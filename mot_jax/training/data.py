@@ -25,7 +25,8 @@ import jax
 import numpy as np
 
 from mot_jax.errors import MotJaxError
-from mot_jax.models.gguf import Progress, cache_lock, cache_root
+from mot_jax.models.gguf import cache_lock, cache_root
+from mot_jax.progress import Progress
 from mot_jax.translate.align import Alignment, adapter, align_batch, register_pytree
 
 register_pytree()  # batches (with their alignment) are stacked and placed as pytrees
@@ -172,7 +173,7 @@ def _token_stream(documents, tokenizer, eos_id: int) -> tuple[np.ndarray, dict]:
     """The target-token stream: each kept document's ids followed by EOS, and counts of what was kept."""
     tok = adapter(tokenizer)
     pieces, stats = [], dict(documents=len(documents), kept_documents=0, tokens=0)
-    with Progress(len(documents), "Tokenizing the chunk table", "doc") as progress:
+    with Progress("Tokenizing the chunk table", "doc", total=len(documents)) as progress:
         for start in range(0, len(documents), _BATCH_TEXTS):
             batch = documents[start : start + _BATCH_TEXTS]
             for ids, _ in tok.encode_batch([t for t in batch if t.strip()]):
@@ -187,7 +188,7 @@ def _source_lengths(contexts: np.ndarray, target_tokenizer, source_tokenizer) ->
     """How many source tokens each target context re-encodes to (decode with the target, encode with the source)."""
     target, source = adapter(target_tokenizer), adapter(source_tokenizer)
     lengths = []
-    with Progress(len(contexts), "Source lengths of the chunks", "chunk") as progress:
+    with Progress("Source lengths of the chunks", "chunk", total=len(contexts)) as progress:
         for start in range(0, len(contexts), _BATCH_TEXTS):
             texts = target.decode_batch(contexts[start : start + _BATCH_TEXTS].tolist())
             lengths += [len(ids) for ids, _ in source.encode_batch(texts)]
