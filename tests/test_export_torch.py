@@ -20,7 +20,7 @@ from mot_jax.export import torch_translator
 from mot_jax.export.weights import export, translator_config, translator_tensors
 from mot_jax.jit import jit
 from mot_jax.models import tiny
-from mot_jax.models.loading import FAMILIES, build_model
+from mot_jax.models.registry import FAMILIES, build_model
 from mot_jax.translate import channels
 from mot_jax.translate.align import align_batch
 from mot_jax.translate.expert import TranslatorConfig
@@ -217,7 +217,8 @@ def exported(models, tmp_path_factory):
 
 def test_export_is_json_and_safetensors_only(exported):
     folder, translator, models = exported
-    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in folder.iterdir()) == [".mot_jax_output", "config.json", "model.safetensors"]
+    assert json.loads((folder / ".mot_jax_output").read_text())["files"] == ["config.json", "model.safetensors"]
     config = json.loads((folder / "config.json").read_text())
     assert config["source_layers"] == list(translator.spec.source_layers) and config["num_experts"] == 2
     assert config["source_kv_heads"] == 2 and config["target_head_dim"] == 8
