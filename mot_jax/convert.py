@@ -75,7 +75,7 @@ def convert(
     model_name, check=False, atol=None, rtol=None, dtype="float32", prompts=None, new_tokens=20, seed=0, out=print
 ):
     """The command as a function: returns the exit status (tests call this directly)."""
-    from mot_jax.models import gguf, loading
+    from mot_jax.models import gguf, loading, registry
 
     start = time.perf_counter()
     gguf_path = gguf.resolve_gguf(model_name)
@@ -86,7 +86,7 @@ def convert(
         model_dir = loading.resolve_model_dir(model_name)
         model, _ = loading.load_model(str(model_dir), dtype=dtype)
     cfg = model.config
-    count = sum(p.size for p in loading.flat_params(model).values())
+    count = sum(p.size for p in registry.flat_params(model).values())
     out(
         f"loaded {model_name}: {cfg.family}, {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
         f"{count:,} parameters in {dtype} ({time.perf_counter() - start:.1f} s)"

@@ -90,7 +90,7 @@ def local_rows(mesh, batch_size: int) -> slice:
 def prepare_lock(directory):
     """Serialise what runs inside among the processes of a multi-process run that share `directory`'s disk: the
     first builds the corpus, chunk tables and model caches, the others then find them ready. No-op for one process."""
-    if jax.process_count() == 1:  # each cache build holds its own lock (models.gguf.cache_lock) for any process
+    if jax.process_count() == 1:  # each cache build holds its own lock (paths.cache_lock) for any process
         yield
         return
     with file_lock(Path(directory) / ".prepare.lock"):

@@ -12,7 +12,8 @@ from safetensors.numpy import load_file, save_file
 
 from mot_jax.convert import convert
 from mot_jax.errors import MotJaxError
-from mot_jax.models.loading import flat_params, load_model
+from mot_jax.models.loading import load_model
+from mot_jax.models.registry import flat_params
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from mot_jax.export.torch_pipeline import CachePipeline
 from mot_jax.export.torch_translator import KVTranslator as TorchKVTranslator
 from mot_jax.models import tiny
 from mot_jax.models.base import decode_step
-from mot_jax.models.loading import hf_state_dict
+from mot_jax.models.registry import hf_state_dict
 from mot_jax.translate import channels
 from mot_jax.translate.translator import CacheTranslator, KVTranslator, TranslationSpec, mixture_config
 

@@ -7,7 +7,8 @@ import torch
 from hf_reference import CONFIGS, padded_batch, run_reference, save_tiny
 
 from mot_jax.models.base import decode_step, generate, prefill
-from mot_jax.models.loading import hf_state_dict, load_model
+from mot_jax.models.loading import load_model
+from mot_jax.models.registry import hf_state_dict
 
 VARIANTS = [(family, name) for family, variants in CONFIGS.items() for name in variants]
 ATOL = 1e-4

@@ -15,7 +15,7 @@ from mot_jax.errors import MotJaxError
 from mot_jax.evals import report
 from mot_jax.export import weights
 from mot_jax.models import tiny
-from mot_jax.models.loading import FAMILIES
+from mot_jax.models.registry import FAMILIES
 from mot_jax.translate import channels
 from mot_jax.translate.translator import KVTranslator, TranslationSpec, mixture_config
 

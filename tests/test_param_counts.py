@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from mot_jax.models.loading import FAMILIES, build_model, flat_params
+from mot_jax.models.registry import FAMILIES, build_model, flat_params
 
 GPT2 = dict(model_type="gpt2", vocab_size=50257, n_positions=1024)
 OPT = dict(model_type="opt", vocab_size=50272, max_position_embeddings=2048, activation_function="relu")

@@ -16,6 +16,7 @@ from test_train_run import ROOT, TINY, load_config, run_cli
 
 from mot_jax.errors import MotJaxError
 from mot_jax.locks import file_lock
+from mot_jax.paths import as_path
 from mot_jax.training import loop, optim
 from mot_jax.training.checkpoint import Checkpoints
 
@@ -54,16 +55,16 @@ def test_a_busy_workdir_is_refused(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == [".lock"]
     # the processes of one multi-process run each hold their own lock: they never refuse each other
     monkeypatch.setattr(jax, "process_index", lambda: 1)
-    with loop.workdir_lock(loop.as_path(tmp_path)), pytest.raises(MotJaxError, match="Another training run"):
-        with loop.workdir_lock(loop.as_path(tmp_path)):
+    with loop.workdir_lock(as_path(tmp_path)), pytest.raises(MotJaxError, match="Another training run"):
+        with loop.workdir_lock(as_path(tmp_path)):
             pass
-    with file_lock(tmp_path / ".lock", busy="process 0's lock is taken"), loop.workdir_lock(loop.as_path(tmp_path)):
+    with file_lock(tmp_path / ".lock", busy="process 0's lock is taken"), loop.workdir_lock(as_path(tmp_path)):
         pass
 
 
 def checkpoint_losses(trainer, workdir, validation) -> dict:
     """The validation loss of every checkpoint kept in `workdir`, recomputed from its restored state."""
-    checkpoints = Checkpoints(loop.as_path(workdir), 3)
+    checkpoints = Checkpoints(as_path(workdir), 3)
     losses = {}
     for step in checkpoints.last.all_steps():
         trainer.state = checkpoints.restore(trainer.state, step)
@@ -119,13 +120,13 @@ DISK_FULL = r"failed \(OSError: \[Errno 28\] No space left on device\); stopped,
 
 def test_a_failed_background_save_is_one_error_naming_the_last_checkpoint(tmp_path, monkeypatch):
     disk_full_after(1, monkeypatch, {})
-    checkpoints = Checkpoints(loop.as_path(tmp_path), 3)
+    checkpoints = Checkpoints(as_path(tmp_path), 3)
     state = dict(w=jnp.ones(3))
     checkpoints.save(1, state, dict(step=1))
     checkpoints.save(2, state, dict(step=2))  # fails in the background
     with pytest.raises(MotJaxError, match=DISK_FULL):
         checkpoints.close()
-    assert Checkpoints(loop.as_path(tmp_path), 3).latest_step() == 1
+    assert Checkpoints(as_path(tmp_path), 3).latest_step() == 1
 
 
 @pytest.mark.slow
@@ -143,7 +144,7 @@ def test_a_failed_save_stops_the_run_and_keeps_the_last_checkpoint(tmp_path, mon
         loop.train_and_evaluate(config, tmp_path)
     assert calls["step"] <= 3  # the save of step 2 fails while step 3 runs, at the latest
     assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == [1]
-    checkpoints = Checkpoints(loop.as_path(tmp_path), 3)
+    checkpoints = Checkpoints(as_path(tmp_path), 3)
     assert checkpoints.read_meta(1)["step"] == 1
     checkpoints.close()
 
@@ -167,4 +168,4 @@ def test_ctrl_c_stops_in_one_line_and_exits(tmp_path):
     assert errors == [f"error: interrupted after step 2; the last checkpoint is step 2 in {tmp_path}; run the same "
                       "command to resume."], result.stderr[-2000:]  # fmt: skip
     assert "Traceback" not in result.stderr and "cannot schedule" not in result.stderr
-    assert np.isfinite(Checkpoints(loop.as_path(tmp_path), 3).read_meta(2)["best_validation_loss"])
+    assert np.isfinite(Checkpoints(as_path(tmp_path), 3).read_meta(2)["best_validation_loss"])

@@ -39,6 +39,7 @@ from pathlib import Path
 
 from mot_jax.errors import MotJaxError, cause
 from mot_jax.evals import jsonl, synthetic
+from mot_jax.paths import cache_root
 
 TASKS = synthetic.TASKS
 SYNTHETIC_OPTIONS = ("distractors", "questions_per_example")
@@ -68,7 +69,6 @@ def synthetic_set(
 ) -> list[dict]:
     """synthetic.examples(...) stored as a TFDS array_record dataset (one config per task, size, seed and options,
     named with a hash of synthetic.py so a changed generator gets a new set) and read back from it."""
-    from mot_jax.models.gguf import cache_root
     from mot_jax.training.corpus import _quiet, prepared
 
     distractors = synthetic.DISTRACTORS[task] if distractors is None else distractors

@@ -24,8 +24,9 @@ from mot_jax import outputs
 from mot_jax.errors import MotJaxError
 from mot_jax.evals import datasets, engine, report, synthetic
 from mot_jax.evals.config import parse_list
+from mot_jax.paths import as_path
 from mot_jax.progress import Progress
-from mot_jax.training.loop import as_path, load_pair
+from mot_jax.training.loop import load_pair
 from mot_jax.training.trained import load_trained
 
 TASKS = datasets.TASKS
@@ -101,6 +102,11 @@ def baseline_methods(config) -> list:
     return [make[name]() for name in engine.BASELINES if name in names]
 
 
+def with_controls(translated: list, shuffled_source: bool) -> list:
+    """The translated methods, each followed by its shuffled-source control when `shuffled_source`."""
+    return [row for m in translated for row in ([m, engine.ShuffledSource(m)] if shuffled_source else [m])]
+
+
 def evaluate(workdir, config: ml_collections.ConfigDict, compare=(), out=None) -> dict:
     """Evaluate the translator in `workdir` (and those in `compare`) with the baselines on `config`'s tasks; writes
     results.json, results.md, predictions.jsonl and plots to `out` (default WORKDIR/eval) and returns the results."""
@@ -117,9 +123,7 @@ def evaluate(workdir, config: ml_collections.ConfigDict, compare=(), out=None) -
     outputs.check_replaceable(out)  # before minutes of evaluation
     workdirs = [str(workdir), *map(str, compare)]
     translated, train_config = trained_methods(workdirs, config.which, config.replay_attention)
-    methods = baseline_methods(config)
-    for method in translated:  # each control row right after its method
-        methods += [method, engine.ShuffledSource(method)] if config.shuffled_source else [method]
+    methods = baseline_methods(config) + with_controls(translated, config.shuffled_source)
     pair_config = ml_collections.ConfigDict(dict(source=train_config.source, target=train_config.target,
                                                  dtype=config.dtype or train_config.dtype))  # fmt: skip
     models = load_pair(pair_config)

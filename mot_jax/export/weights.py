@@ -16,7 +16,6 @@ from flax import nnx
 from mot_jax.errors import MotJaxError
 from mot_jax.models import decoder
 from mot_jax.models.base import ModelConfig
-from mot_jax.models.loading import FAMILY_BY_NAME
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 FORMAT = "mot_jax.kv_translator"
@@ -29,13 +28,12 @@ def _config(model) -> ModelConfig:
 def _rope(model):
     """[L, head_dim / 2] inverse frequencies of a rotary model (or its config), None for other families."""
     cfg = _config(model)
-    rotary = issubclass(FAMILY_BY_NAME[cfg.family][1], decoder.RotaryLM)
-    return np.asarray(decoder.rope_table(cfg), np.float32) if rotary else None
+    return np.asarray(decoder.rope_table(cfg), np.float32) if cfg.rotary else None
 
 
 def _rotary(translator, source, target) -> bool:
     """Whether `translate_window` un/re-rotates keys: the spec asks for it and both models use RoPE."""
-    return bool(translator.spec.rotary) and _rope(source) is not None and _rope(target) is not None
+    return bool(translator.spec.rotary) and _config(source).rotary and _config(target).rotary
 
 
 def translator_tensors(translator, source=None, target=None) -> dict[str, np.ndarray]:
@@ -59,7 +57,7 @@ def translator_config(translator, source, target) -> dict:
     for side, model in (("source", source), ("target", target)):
         cfg = _config(model)
         out |= {f"{side}_num_layers": cfg.num_layers, f"{side}_kv_heads": cfg.num_kv_heads}
-        out |= {f"{side}_head_dim": cfg.head_dim, f"{side}_rotary": _rope(model) is not None}
+        out |= {f"{side}_head_dim": cfg.head_dim, f"{side}_rotary": cfg.rotary}
     out["apply_rotary"] = _rotary(translator, source, target)
     return out
 

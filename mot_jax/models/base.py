@@ -14,6 +14,8 @@ from mot_jax.models.cache import KVCache
 from mot_jax.models.layers import GLOBAL_WINDOW, attention_weights
 
 PREFILL_BLOCK = 512  # query block of a prefill into an empty cache (causal blocks above the diagonal are skipped)
+# Families whose cached keys carry RoPE (decoder.RotaryLM); GPT-2 and OPT add learned position embeddings instead.
+ROTARY_FAMILIES = ("qwen2", "llama", "gemma3")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +68,11 @@ class ModelConfig:
         """Per-layer sliding windows as ints (GLOBAL_WINDOW for global layers)."""
         windows = self.layer_windows or (None,) * self.num_layers
         return tuple(GLOBAL_WINDOW if w is None else int(w) for w in windows)
+
+    @property
+    def rotary(self) -> bool:
+        """Whether the model's keys are rotated by their positions (RoPE)."""
+        return self.family in ROTARY_FAMILIES
 
     @property
     def eos_ids(self):

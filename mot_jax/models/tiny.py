@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 
 from mot_jax.errors import MotJaxError
+from mot_jax.models.registry import FAMILIES, build_model, resolve_dtype
 
 PREFIX = "random:"
 _LAYERS = dict(num_hidden_layers=4, hidden_size=64, num_attention_heads=4, intermediate_size=128)
@@ -68,8 +69,6 @@ def hf_config(name: str) -> dict:
 
 def load(name: str, dtype="float32", seed: int = 0):
     """(model, HF config dict, tokenizer) of a tiny random model; the weights depend on the family and `seed`."""
-    from mot_jax.models.loading import FAMILIES, build_model, resolve_dtype
-
     config = hf_config(name)
     cfg = FAMILIES[config["model_type"]][0].config_from_hf(config)
     model = build_model(cfg, resolve_dtype(dtype), seed=seed + sorted(HF_CONFIGS).index(cfg.family))

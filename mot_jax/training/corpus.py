@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from mot_jax.errors import MotJaxError, cause
+from mot_jax.paths import cache_lock, cache_root
 from mot_jax.progress import Progress
 
 DEFAULT_CORPUS = "docs_prose"
@@ -77,8 +78,6 @@ class Documents(Sequence):
 def documents(corpus: str = DEFAULT_CORPUS, data_dir=None) -> dict[str, Documents]:
     """{"train", "validation"} documents of `corpus`, prepared into `data_dir` (default: the mot_jax cache) on the
     first call and reused afterwards."""
-    from mot_jax.models.gguf import cache_root
-
     data_dir = Path(data_dir or cache_root() / "tfds").expanduser()
     if corpus == DEFAULT_CORPUS:
         files, read = _prose_sources()
@@ -148,8 +147,6 @@ def prepared(make: Callable[[], object], build: Callable[[object], None]):
     """The TFDS builder `make()` returns, prepared by `build(builder)` when it is not yet: safe for any number of
     processes at once. The build holds the dataset's own lock (TFDS writes to a temporary folder and renames it);
     a process that waited makes a fresh builder, whose info holds the splits the other process wrote."""
-    from mot_jax.models.gguf import cache_lock
-
     with _quiet():
         builder = make()
         if builder.is_prepared():

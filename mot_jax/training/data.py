@@ -25,7 +25,7 @@ import jax
 import numpy as np
 
 from mot_jax.errors import MotJaxError
-from mot_jax.models.gguf import cache_lock, cache_root
+from mot_jax.paths import cache_lock, cache_root
 from mot_jax.progress import Progress
 from mot_jax.translate.align import Alignment, adapter, align_batch, register_pytree
 

@@ -32,8 +32,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 from mot_jax import multihost, sharding
 from mot_jax.errors import MotJaxError
 from mot_jax.locks import file_lock
-from mot_jax.models.gguf import cache_root
-from mot_jax.models.loading import load_model, load_tokenizer, resolve_dtype
+from mot_jax.models.loading import load_model, load_tokenizer
+from mot_jax.models.registry import resolve_dtype
+from mot_jax.paths import as_path, cache_root
 from mot_jax.training import config as config_lib
 from mot_jax.training import corpus, data, objective
 from mot_jax.training.checkpoint import Checkpoints
@@ -552,12 +553,6 @@ def start_linear_skip(trainer: Trainer, stream, num_batches: int):
         "Linear skip fitted by least squares on %d batches in %.0f s: mean squared error of K %.4f -> %.4f, V %.4f -> "
         "%.4f", num_batches, time.perf_counter() - began, *errors["key"], *errors["value"],
     )  # fmt: skip
-
-
-def as_path(workdir) -> epath.Path:
-    """A local or cloud (gs://) directory path."""
-    path = epath.Path(workdir)
-    return path if "://" in str(workdir) else epath.Path(Path(workdir).absolute())
 
 
 def count_params(params) -> int:

@@ -16,8 +16,8 @@ from flax import nnx
 
 from mot_jax.errors import MotJaxError
 from mot_jax.models.base import ModelConfig
+from mot_jax.paths import as_path
 from mot_jax.training.checkpoint import Checkpoints
-from mot_jax.training.loop import as_path
 from mot_jax.training.optim import adamw
 from mot_jax.translate.expert import TranslatorConfig
 from mot_jax.translate.translator import KVTranslator, TranslationSpec

@@ -123,7 +123,7 @@ class KVTranslator(nnx.Module):
 
 
 def rope_or_none(model: CausalLM):
-    return decoder.rope_table(model.config) if isinstance(model, decoder.RotaryLM) else None
+    return decoder.rope_table(model.config) if model.config.rotary else None
 
 
 def window_block(cache_kv, layers, positions=None, inv_freq=None):

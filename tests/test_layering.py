@@ -1,0 +1,73 @@
+"""The package's layering: imports among mot_jax modules point one way, and each shared rule lives in one place."""
+
+import ast
+from pathlib import Path
+
+from mot_jax.models import decoder, tiny
+from mot_jax.models.registry import FAMILIES, FAMILY_BY_NAME
+
+PACKAGE = Path(__file__).resolve().parent.parent / "mot_jax"
+
+
+def import_graph(package: Path) -> dict[str, set[str]]:
+    """{module: the mot_jax modules it imports}. Every import statement counts, also one inside a function: an
+    import deferred into a function to dodge a cycle is still a cycle."""
+    modules = {}
+    for path in package.rglob("*.py"):
+        name = ".".join(path.relative_to(package.parent).with_suffix("").parts)
+        modules[name.removesuffix(".__init__")] = path
+    graph = {}
+    for name, path in modules.items():
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                # `from a.b import c`: a.b, and a.b.c when c is a module
+                imported |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+        graph[name] = {m for m in imported if m in modules and m != name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of the graph as [a, b, ..., a], or None (depth-first search for an edge back into the path)."""
+    done = set()
+
+    def visit(node, path):
+        for nxt in sorted(graph[node]):
+            if nxt in path:
+                return path[path.index(nxt) :] + [nxt]
+            if nxt not in done and (cycle := visit(nxt, path + [nxt])):
+                return cycle
+        done.add(node)
+        return None
+
+    for start in sorted(graph):
+        if start not in done and (cycle := visit(start, [start])):
+            return cycle
+    return None
+
+
+def test_find_cycle_finds_a_cycle_and_only_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_mot_jax_imports_have_no_cycle():
+    graph = import_graph(PACKAGE)
+    assert {"mot_jax.models.loading", "mot_jax.models.registry", "mot_jax.paths"} <= set(graph)  # the parse saw them
+    assert "mot_jax.models.registry" in graph["mot_jax.models.tiny"]  # `from pkg import module` edges are seen
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_rotary_property_agrees_with_the_model_classes():
+    """`ModelConfig.rotary` (the one rule translate and export use) is true exactly for the families whose model
+    class applies RoPE (decoder.RotaryLM)."""
+    seen = set()
+    for family in tiny.HF_CONFIGS:
+        hf = tiny.hf_config(tiny.PREFIX + family)
+        cfg = FAMILIES[hf["model_type"]][0].config_from_hf(hf)
+        assert cfg.rotary == issubclass(FAMILY_BY_NAME[cfg.family][1], decoder.RotaryLM), cfg.family
+        seen.add(cfg.family)
+    assert seen == set(FAMILY_BY_NAME)
