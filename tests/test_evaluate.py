@@ -139,6 +139,12 @@ def test_report_files_are_written_and_parse(trained_workdir, tmp_path):
     assert len(rows) == len(names) * (2 * (2 + 2) + 2 * 2)
     markdown = (out / "results.md").read_text()
     assert markdown == report.markdown(saved) and "| MoT replay |" in markdown
+    # the shuffled-source control: a row on every task, none in the TTFT table (its cost is its method's)
+    assert "| MoT replay, shuffled source |" in markdown
+    assert list(saved["tasks"]["multi_agent"]["methods"]) == names
+    assert saved["tasks"]["multi_agent"]["methods"][names[-1]]["context_seconds"] is None
+    timed = {r["method"] for r in saved["latency"]}
+    assert "MoT replay" in timed and names[-1] not in timed
     for plot in ("quality_vs_budget.png", "ttft_vs_length.png", "routing_load.png"):
         assert (out / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -353,21 +359,9 @@ def test_shuffled_source_donors_skip_examples_with_the_same_context():
         engine.donor_indices([a, dict(a, question="q3")])
 
 
-def test_shuffled_source_rows_in_the_report_and_off_by_config(trained_workdir, tmp_path):
-    """Beside the translated method on every task that runs one, in results.json, results.md and predictions.jsonl,
-    and not in the TTFT table; `shuffled_source=False` leaves it out."""
-    config = small_config(tasks="extractive_qa,multi_agent", ttft_lengths="32", methods="native", memory=False)
-    out = tmp_path / "report"
-    run.evaluate(trained_workdir, config, out=out)
-    saved = json.loads((out / "results.json").read_text())
-    names = ["native", "MoT replay", "MoT replay, shuffled source"]
-    for task in ("extractive_qa", "multi_agent"):
-        assert list(saved["tasks"][task]["methods"]) == names
-    assert saved["tasks"]["multi_agent"]["methods"][names[2]]["context_seconds"] is None
-    assert {r["method"] for r in saved["latency"]} == set(names[:2])
-    assert "| MoT replay, shuffled source |" in (out / "results.md").read_text()
-    rows = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
-    assert sum(r["method"] == names[2] for r in rows) == 2 + 2 * 2
-    off = small_config(tasks="extractive_qa", ttft_lengths="", methods="native", shuffled_source=False)
-    results = run.evaluate(trained_workdir, off, out=tmp_path / "off")
-    assert list(results["tasks"]["extractive_qa"]["methods"]) == ["native", "MoT replay"]
+def test_shuffled_source_rows_follow_their_methods_and_are_off_by_config():
+    """The report side of the rows is checked in test_report_files_are_written_and_parse (slow)."""
+    a, b = (engine.Translated(name, None, "w", 1) for name in ("A", "B"))
+    assert [m.name for m in run.with_controls([a, b], True)] == ["A", "A, shuffled source", "B", "B, shuffled source"]
+    assert run.with_controls([a, b], False) == [a, b]
+    assert defaults().shuffled_source is True
