@@ -5,7 +5,7 @@
                                                 # 512 tokens, and the offline pair at 128 / 512 / 2,048 tokens
   python -m mot_jax.bench mixture               # sparse against dense mixture, N = 2, 4, 8 and k = 1, 2
   python -m mot_jax.bench align                 # alignment of 2,048-token texts against the per-token reference
-  python -m mot_jax.bench ttft                  # native / replay / direct time to first token (evals.engine.latency)
+  python -m mot_jax.bench ttft                  # native / replay / direct time to first token (evals.latency)
   python -m mot_jax.bench ttft --workdirs=DIR   # ... of trained translators (training workdirs) instead of untrained
   python -m mot_jax.bench train                 # the training step of configs/smollm2_gemma3.py (replay and direct)
   python -m mot_jax.bench --quick --out=/tmp/bench/BENCHMARKS.md   # every part on tiny random models
@@ -496,7 +496,7 @@ def ttft_methods(plan: Plan):
     import ml_collections
     from flax import nnx
 
-    from mot_jax.evals import engine
+    from mot_jax.evals.methods import Native, Translated
     from mot_jax.training import loop
     from mot_jax.translate.translator import KVTranslator
 
@@ -508,15 +508,15 @@ def ttft_methods(plan: Plan):
                                                               dtype=config.dtype)))  # fmt: skip
         what = f"{config.source} -> {config.target}, trained translators ("
         what += ", ".join(f"`{m.workdir}` step {m.step}" for m in translated) + ")"
-        return pair, [engine.Native(), *translated], what
-    pair, methods = None, [engine.Native()]
+        return pair, [Native(), *translated], what
+    pair, methods = None, [Native()]
     for mode in ("replay", "direct"):
         config = load_experiment(plan.config_arg + mode)
         pair = pair or loop.load_pair(config)
         channel_map = loop.resolve_channels(config, pair, None, None, None)  # terminal: no search, no data
         spec, tcfg = loop.translation(config, channel_map, pair)
         translator = KVTranslator(spec, tcfg, rngs=nnx.Rngs(config.seed))
-        methods.append(engine.Translated(mode, translator, "untrained", 0))
+        methods.append(Translated(mode, translator, "untrained", 0))
     what = (
         f"{config.source} -> {config.target}, untrained translators of `configs/{EXPERIMENT}:{plan.config_arg}replay`"
     )
@@ -553,18 +553,18 @@ def ttft_plot(lengths, series: dict, path):
 
 def bench_ttft(plan: Plan) -> Section:
     from mot_jax.errors import MotJaxError
-    from mot_jax.evals import engine, synthetic
+    from mot_jax.evals.latency import latency, ttft_setup
+    from mot_jax.evals.prompts import Settings
 
     models, methods, what = ttft_methods(plan)
-    settings = engine.Settings(batch_size=1)
-    limit = models.target.config.max_positions - 64 - settings.max_new_tokens  # room for the suffix and answer
-    lengths = sorted(n for n in plan.lengths if n <= limit)
+    settings = Settings(batch_size=1)
+    ttft = ttft_setup(models, plan.lengths, settings.max_new_tokens, seed=0)
+    lengths = ttft.lengths
     if not lengths:
-        raise MotJaxError(f"No ttft length fits the target model (at most {limit} tokens); lower --lengths.")
+        raise MotJaxError(f"No ttft length fits the target model (at most {ttft.limit} tokens); lower --lengths.")
     if len(lengths) < len(plan.lengths):
-        log(f"  ttft: lengths above {limit} do not fit the target model; skipped")
-    example = synthetic.examples("long_context", 1, 0, distractors=max(lengths) // 16 + 4)[0]
-    rows = engine.latency(models, methods, example, lengths, settings, plan.runs, memory=False)
+        log(f"  ttft: lengths above {ttft.limit} do not fit the target model; skipped")
+    rows = latency(models, methods, ttft.example, lengths, settings, plan.runs, memory=False)
     at = {(r["method"], i // len(methods)): r for i, r in enumerate(rows)}  # (method, length index) -> its row
     native, translated = methods[0], methods[1:]
     direct = next((m for m in translated if m.translator.spec.mode == "direct"), None)
@@ -587,7 +587,7 @@ def bench_ttft(plan: Plan) -> Section:
     series[f"{reference.name} + source prefill"] = [at[reference.name, i]["ttft_with_source_s"] for i in indices]
     intro = (
         f"{what} ({'; '.join(describe(m, models.target) for m in translated)}); batch 1, measured by "
-        "`mot_jax.evals.engine.latency` (the evaluation's TTFT, median of the runs after one that compiles): a "
+        "`mot_jax.evals.latency.latency` (the evaluation's TTFT, median of the runs after one that compiles): a "
         "synthetic long-context passage cut to each length in target tokens, then the question suffix and the first "
         "answer token. Native: the target prefills the context itself. Translated: the translation from an "
         "existing source cache, then the suffix and the first token; source prefill is the source's own prefill of "

@@ -14,8 +14,20 @@ import pytest
 from flax import nnx
 
 from mot_jax.errors import MotJaxError
-from mot_jax.evals import datasets, engine, metrics, report, run, synthetic
+from mot_jax.evals import datasets, metrics, report, run, synthetic
 from mot_jax.evals.config import defaults
+from mot_jax.evals.methods import Native, ShuffledSource, Stopwatch, Translated, regrid
+from mot_jax.evals.prompts import (
+    Settings,
+    batches,
+    decode_answers,
+    donor_indices,
+    is_closed,
+    prefix_text,
+    suffix_text,
+    token_ids,
+)
+from mot_jax.evals.tasks import evaluate_agents, evaluate_examples
 from mot_jax.models.base import generate
 from mot_jax.progress import Progress
 from mot_jax.training import loop
@@ -24,7 +36,7 @@ from mot_jax.translate import align as alignment_lib
 from mot_jax.translate.translator import KVTranslator, TranslationSpec, mixture_config
 
 ROOT = Path(__file__).resolve().parents[1]
-SETTINGS = engine.Settings(batch_size=2, max_new_tokens=6)
+SETTINGS = Settings(batch_size=2, max_new_tokens=6)
 
 
 def tiny_pair(source="llama", target="gemma3"):
@@ -43,23 +55,23 @@ def test_native_answers_equal_the_target_reading_the_whole_prompt(pair):
     generating from prefix + suffix in one unpadded sequence; option likelihoods equal a full forward's."""
     examples = synthetic.examples("extractive_qa", 3, seed=1) + synthetic.examples("closed_qa", 3, seed=2)[:2]
     for subset in (examples[:3], examples[3:]):
-        got = engine.evaluate_examples(pair, [engine.Native()], subset, SETTINGS)["native"]["predictions"]
-        closed = engine.is_closed(subset)
+        got = evaluate_examples(pair, [Native()], subset, SETTINGS)["native"]["predictions"]
+        closed = is_closed(subset)
         eos = pair.target.config.eos_ids
         for example, prediction in zip(subset, got):
-            prefix = engine.token_ids(pair.target_tokenizer, [engine.prefix_text(example, closed)], True)[0]
-            suffix = engine.token_ids(pair.target_tokenizer, [engine.suffix_text(example)], False)[0]
+            prefix = token_ids(pair.target_tokenizer, [prefix_text(example, closed)], True)[0]
+            suffix = token_ids(pair.target_tokenizer, [suffix_text(example)], False)[0]
             prefix = prefix[: 512 - len(suffix) - SETTINGS.max_new_tokens]  # what fits the tiny model's 512 positions
             ids = jnp.asarray([prefix + suffix], jnp.int32)
             out = generate(pair.target, ids, max_new_tokens=SETTINGS.max_new_tokens)
-            assert prediction["generation"] == engine.decode_answers(pair.target_tokenizer, out, eos)[0]
+            assert prediction["generation"] == decode_answers(pair.target_tokenizer, out, eos)[0]
             gold = example["answers"] if "answers" in example else [example["answer"]]
             assert (prediction["question"], prediction["gold"]) == (example["question"], gold)
             if closed:  # the likelihood choice from full forwards over prompt (without the options) + " choice"
                 means = []
-                plain = engine.token_ids(pair.target_tokenizer, [engine.suffix_text(example, options=False)], False)[0]
+                plain = token_ids(pair.target_tokenizer, [suffix_text(example, options=False)], False)[0]
                 for choice in example["choices"]:
-                    tokens = engine.token_ids(pair.target_tokenizer, [" " + choice], False)[0]
+                    tokens = token_ids(pair.target_tokenizer, [" " + choice], False)[0]
                     full = jnp.asarray([prefix + plain + tokens], jnp.int32)
                     logp = jax.nn.log_softmax(pair.target(full)[0][0], axis=-1)
                     start = len(prefix) + len(plain)
@@ -82,9 +94,9 @@ def test_direct_identity_translation_reproduces_native_scores_exactly():
     translator = KVTranslator(spec, mixture_config(spec, pair.source, pair.target, dim=8, heads=1, depth=1),
                               rngs=nnx.Rngs(0))  # fmt: skip
     translator.key, translator.value = Same(), Same()
-    methods = [engine.Native(), engine.Translated("identity", translator, "-", 0)]
+    methods = [Native(), Translated("identity", translator, "-", 0)]
     for task in ("extractive_qa", "closed_qa"):
-        results = engine.evaluate_examples(pair, methods, synthetic.examples(task, 4, seed=3), SETTINGS)
+        results = evaluate_examples(pair, methods, synthetic.examples(task, 4, seed=3), SETTINGS)
         assert results["identity"]["predictions"] == results["native"]["predictions"]
         metric = "accuracy" if task == "closed_qa" else "f1"
         assert results["identity"][metric] == results["native"][metric]
@@ -92,13 +104,13 @@ def test_direct_identity_translation_reproduces_native_scores_exactly():
 
 def test_budgets_truncate_the_context_and_a_question_that_cannot_fit_is_refused(pair):
     example = synthetic.examples("long_context", 1, seed=0, distractors=8)[0]
-    short = engine.Settings(batch_size=1, max_new_tokens=4, budget=160)
-    contexts, _, _ = next(engine.batches(pair, [example], short))
+    short = Settings(batch_size=1, max_new_tokens=4, budget=160)
+    contexts, _, _ = next(batches(pair, [example], short))
     assert contexts.mask.sum() == 160 and 20 < len(contexts.passages[0]) < len(example["context"]) / 2
     assert example["context"].startswith(contexts.passages[0].rstrip("\ufffd"))  # a cut may split a character
     too_long = dict(example, question="why " * 600)
     with pytest.raises(MotJaxError, match="cannot fit"):
-        next(engine.batches(pair, [too_long], short))
+        next(batches(pair, [too_long], short))
 
 
 @pytest.fixture(scope="module")
@@ -203,9 +215,9 @@ def test_replay_attention_and_checkpoint_step_are_chosen_at_evaluation(trained_w
     assert [m.translator.spec.attention_topk for m in methods] == [4, 0, 2]
     weights = [nnx.state(m.translator, nnx.Param) for m in methods]
     assert jax.tree.all(jax.tree.map(lambda a, b: bool((a == b).all()), weights[0], weights[1]))
-    contexts, _, _ = next(engine.batches(pair, synthetic.examples("extractive_qa", 2, seed=4), SETTINGS))
-    native, _ = engine.Native().build(pair, contexts, contexts.length, engine.Stopwatch())
-    caches = [m.build(pair, contexts, contexts.length, engine.Stopwatch())[0].k for m in methods]
+    contexts, _, _ = next(batches(pair, synthetic.examples("extractive_qa", 2, seed=4), SETTINGS))
+    native, _ = Native().build(pair, contexts, contexts.length, Stopwatch())
+    caches = [m.build(pair, contexts, contexts.length, Stopwatch())[0].k for m in methods]
     below = min(methods[0].translator.spec.target_layers)
     for k in caches:
         np.testing.assert_allclose(k[:below], native.k[:below], atol=1e-5)
@@ -220,7 +232,7 @@ def test_replay_attention_and_checkpoint_step_are_chosen_at_evaluation(trained_w
 def test_multi_agent_predictions_name_each_agent_question_and_gold_answers(pair):
     """predictions.jsonl had no multi-agent rows: one per document and agent, and its F1 is their mean."""
     documents = synthetic.examples("multi_agent", 3, seed=6, questions_per_example=2)
-    scores = engine.evaluate_agents(pair, [engine.Native()], documents, SETTINGS)
+    scores = evaluate_agents(pair, [Native()], documents, SETTINGS)
     _, rows = report.split_predictions(dict(tasks=dict(multi_agent=dict(examples=3, methods=scores))))
     assert [(r["index"], r["agent"]) for r in rows] == [(d, k) for d in range(3) for k in range(2)]
     for row in rows:
@@ -296,15 +308,15 @@ def test_shuffled_source_equals_the_translation_when_the_translator_ignores_the_
     translator = direct_translator(pair)
     width = pair.target.config.num_kv_heads * pair.target.config.head_dim
     translator.key, translator.value = Zero(width), Zero(width)
-    method = engine.Translated("zero", translator, "-", 0)
+    method = Translated("zero", translator, "-", 0)
     examples = synthetic.examples("extractive_qa", 3, seed=7)
-    contexts, _, _ = next(engine.batches(pair, examples, engine.Settings(batch_size=3), donors=True))
+    contexts, _, _ = next(batches(pair, examples, Settings(batch_size=3), donors=True))
     assert len(set(contexts.mask.sum(1))) > 1  # the rows differ in length: the donor's grid is not this row's
-    normal, _ = method.build(pair, contexts, contexts.length, engine.Stopwatch())
-    shuffled, _ = engine.ShuffledSource(method).build(pair, contexts, contexts.length, engine.Stopwatch())
+    normal, _ = method.build(pair, contexts, contexts.length, Stopwatch())
+    shuffled, _ = ShuffledSource(method).build(pair, contexts, contexts.length, Stopwatch())
     for field in ("k", "v", "positions", "valid"):
         np.testing.assert_array_equal(getattr(shuffled, field), getattr(normal, field))
-    results = engine.evaluate_examples(pair, [method, engine.ShuffledSource(method)], examples, SETTINGS)
+    results = evaluate_examples(pair, [method, ShuffledSource(method)], examples, SETTINGS)
     assert results["zero, shuffled source"]["predictions"] == results["zero"]["predictions"]
 
 
@@ -314,18 +326,18 @@ def test_shuffled_source_row_is_the_translation_of_another_examples_source(pair)
     from mot_jax.translate.translator import CacheTranslator
 
     translator = direct_translator(pair, seed=1)
-    method = engine.Translated("MoT direct", translator, "-", 0)
+    method = Translated("MoT direct", translator, "-", 0)
     examples = synthetic.examples("extractive_qa", 3, seed=8)
-    settings = engine.Settings(batch_size=2, budget=120)  # the last batch holds one row: its donor is example 0
+    settings = Settings(batch_size=2, budget=120)  # the last batch holds one row: its donor is example 0
     translate = CacheTranslator(pair.source, pair.target, pair.source_tokenizer, pair.target_tokenizer, translator)
     checked = 0
-    for contexts, _, _ in engine.batches(pair, examples, settings, donors=True):
+    for contexts, _, _ in batches(pair, examples, settings, donors=True):
         assert (contexts.mask.sum(1) == 120).all()
-        shuffled, _ = engine.ShuffledSource(method).build(pair, contexts, contexts.length, engine.Stopwatch())
-        normal, _ = method.build(pair, contexts, contexts.length, engine.Stopwatch())
+        shuffled, _ = ShuffledSource(method).build(pair, contexts, contexts.length, Stopwatch())
+        normal, _ = method.build(pair, contexts, contexts.length, Stopwatch())
         for b, example in enumerate(contexts.examples):
             donor = examples[(examples.index(example) + 1) % len(examples)]
-            ids = engine.token_ids(pair.target_tokenizer, [engine.prefix_text(donor, False)], True)[0][:120]
+            ids = token_ids(pair.target_tokenizer, [prefix_text(donor, False)], True)[0][:120]
             own = translate.from_target_ids(np.array([ids]), np.ones((1, 120), bool))
             np.testing.assert_allclose(shuffled.k[:, b, :, :120], own.k[:, 0], atol=1e-5)
             np.testing.assert_allclose(shuffled.v[:, b, :, :120], own.v[:, 0], atol=1e-5)
@@ -344,7 +356,7 @@ def test_shuffled_source_alignment_is_carried_onto_this_rows_grid_by_position():
     donor_mask = np.array([[1, 1, 1, 1], [1, 1, 1, 0]], bool)
     mask = np.array([[1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1]], bool)
     source_mask = np.array([[1, 1, 1], [1, 1, 1]], bool)
-    got = engine.regrid(donor, donor_mask, mask, source_mask)
+    got = regrid(donor, donor_mask, mask, source_mask)
     np.testing.assert_array_equal(got.weights[0, :2], weights[0, [0, 2]])
     assert not got.weights[0, 2:].any()
     np.testing.assert_array_equal(got.weights[1], weights[1, [0, 0, 1, 1, 2, 2]])
@@ -354,14 +366,14 @@ def test_shuffled_source_alignment_is_carried_onto_this_rows_grid_by_position():
 
 def test_shuffled_source_donors_skip_examples_with_the_same_context():
     a, b = dict(context="one", question="q1"), dict(context="two", question="q2")
-    assert engine.donor_indices([a, dict(a, question="q3"), b]) == [2, 2, 0]
+    assert donor_indices([a, dict(a, question="q3"), b]) == [2, 2, 0]
     with pytest.raises(MotJaxError, match="at least two different contexts.*--config.shuffled_source=false"):
-        engine.donor_indices([a, dict(a, question="q3")])
+        donor_indices([a, dict(a, question="q3")])
 
 
 def test_shuffled_source_rows_follow_their_methods_and_are_off_by_config():
     """The report side of the rows is checked in test_report_files_are_written_and_parse (slow)."""
-    a, b = (engine.Translated(name, None, "w", 1) for name in ("A", "B"))
+    a, b = (Translated(name, None, "w", 1) for name in ("A", "B"))
     assert [m.name for m in run.with_controls([a, b], True)] == ["A", "A, shuffled source", "B", "B, shuffled source"]
     assert run.with_controls([a, b], False) == [a, b]
     assert defaults().shuffled_source is True

@@ -2,7 +2,7 @@
 
 `evaluate(workdir, config, compare=(), out=None)` is what `python -m mot_jax.evaluate` calls and tests call directly.
 
-Beside each translated method runs its shuffled-source control (`engine.ShuffledSource`, a row named e.g.
+Beside each translated method runs its shuffled-source control (`methods.ShuffledSource`, a row named e.g.
 "MoT direct, shuffled source": the same translator writing each example's cache from another example's source cache)
 on every task, without TTFT rows (its cost is its method's); `--config.shuffled_source=false` leaves it out. The
 other config keys and their defaults: mot_jax/evals/config.py.
@@ -22,8 +22,12 @@ from absl import logging
 
 from mot_jax import outputs
 from mot_jax.errors import MotJaxError
-from mot_jax.evals import datasets, engine, report, synthetic
+from mot_jax.evals import datasets, report
 from mot_jax.evals.config import parse_list
+from mot_jax.evals.latency import latency, ttft_setup
+from mot_jax.evals.methods import BASELINES, Native, NoContext, ShuffledSource, TextRelay, Translated, method_name
+from mot_jax.evals.prompts import Settings, is_closed
+from mot_jax.evals.tasks import add_retention, evaluate_agents, evaluate_examples
 from mot_jax.paths import as_path
 from mot_jax.progress import Progress
 from mot_jax.training.loop import load_pair
@@ -75,12 +79,12 @@ def trained_methods(workdirs, which: str, replay_attention="trained"):
             if spec in seen:
                 continue
             seen.append(spec)
-            name = engine.method_name(trained.config)
+            name = method_name(trained.config)
             if spec != trained_spec:
                 name = f"{name}, {attention_name(spec)}"
             if any(m.name == name for m in methods):
                 name = f"{name} [{as_path(workdir).name}]"
-            methods.append(engine.Translated(name, trained.translator, str(workdir), trained.step))
+            methods.append(Translated(name, trained.translator, str(workdir), trained.step))
     return methods, trained.config
 
 
@@ -94,17 +98,17 @@ def check_counts(config) -> None:
 
 def baseline_methods(config) -> list:
     names = parse_list(config.methods)
-    unknown = sorted(set(names) - set(engine.BASELINES))
+    unknown = sorted(set(names) - set(BASELINES))
     if unknown:
-        raise MotJaxError(f"Unknown method {unknown[0]!r} in methods; use some of {', '.join(engine.BASELINES)}.")
-    make = dict(no_context=engine.NoContext, native=engine.Native, text_relay=lambda: engine.TextRelay(
+        raise MotJaxError(f"Unknown method {unknown[0]!r} in methods; use some of {', '.join(BASELINES)}.")
+    make = dict(no_context=NoContext, native=Native, text_relay=lambda: TextRelay(
         config.relay_tokens))  # fmt: skip
-    return [make[name]() for name in engine.BASELINES if name in names]
+    return [make[name]() for name in BASELINES if name in names]
 
 
 def with_controls(translated: list, shuffled_source: bool) -> list:
     """The translated methods, each followed by its shuffled-source control when `shuffled_source`."""
-    return [row for m in translated for row in ([m, engine.ShuffledSource(m)] if shuffled_source else [m])]
+    return [row for m in translated for row in ([m, ShuffledSource(m)] if shuffled_source else [m])]
 
 
 def evaluate(workdir, config: ml_collections.ConfigDict, compare=(), out=None) -> dict:
@@ -127,7 +131,7 @@ def evaluate(workdir, config: ml_collections.ConfigDict, compare=(), out=None) -
     pair_config = ml_collections.ConfigDict(dict(source=train_config.source, target=train_config.target,
                                                  dtype=config.dtype or train_config.dtype))  # fmt: skip
     models = load_pair(pair_config)
-    settings = engine.Settings(config.batch_size, config.max_new_tokens)
+    settings = Settings(config.batch_size, config.max_new_tokens)
     results = dict(tasks={}, routing={})
 
     def examples(task, **options):
@@ -141,33 +145,30 @@ def evaluate(workdir, config: ml_collections.ConfigDict, compare=(), out=None) -
         watch = Progress(task, "example")
         if task == "multi_agent":
             documents = examples(task, questions_per_example=config.agents)
-            scores = engine.evaluate_agents(models, methods, documents, settings, watch)
+            scores = evaluate_agents(models, methods, documents, settings, watch)
             results["tasks"][task] = dict(examples=len(documents), methods=scores)
         elif task == "long_context":
             items, by_budget = examples(task, distractors=config.long_distractors), {}
             for budget in budgets:
                 run = dataclasses.replace(settings, budget=budget)
                 watch = Progress(f"{task} at {budget} tokens", "example")
-                scores = engine.evaluate_examples(models, methods, items, run, watch)
-                by_budget[str(budget)] = engine.add_retention(scores, "f1")
+                scores = evaluate_examples(models, methods, items, run, watch)
+                by_budget[str(budget)] = add_retention(scores, "f1")
             results["tasks"][task] = dict(examples=len(items), budgets=by_budget)
         else:
             items = examples(task)
-            scores = engine.evaluate_examples(models, methods, items, settings, watch)
-            if engine.is_closed(items):
-                engine.add_retention(scores, "likelihood_accuracy", "likelihood_retention")
-            metric = "accuracy" if engine.is_closed(items) else "f1"
-            results["tasks"][task] = dict(examples=len(items), methods=engine.add_retention(scores, metric))
+            scores = evaluate_examples(models, methods, items, settings, watch)
+            if is_closed(items):
+                add_retention(scores, "likelihood_accuracy", "likelihood_retention")
+            metric = "accuracy" if is_closed(items) else "f1"
+            results["tasks"][task] = dict(examples=len(items), methods=add_retention(scores, metric))
     if lengths:
-        limit = models.target.config.max_positions - 64 - config.max_new_tokens
-        fitting = [n for n in lengths if n <= limit]
-        if len(fitting) < len(lengths):
-            logging.warning("TTFT lengths above %d do not fit the target model; skipped.", limit)
-        passages = max(fitting, default=0) // 16 + 4  # more text than the longest length needs
-        example = synthetic.examples("long_context", 1, config.seed, distractors=passages)[0]
-        logging.info("Timing TTFT at %s context tokens", ", ".join(map(str, fitting)))
-        results["latency"] = engine.latency(models, methods, example, fitting, settings, config.ttft_runs,
-                                            config.memory)  # fmt: skip
+        ttft = ttft_setup(models, lengths, config.max_new_tokens, config.seed)
+        if len(ttft.lengths) < len(lengths):
+            logging.warning("TTFT lengths above %d do not fit the target model; skipped.", ttft.limit)
+        logging.info("Timing TTFT at %s context tokens", ", ".join(map(str, ttft.lengths)))
+        results["latency"] = latency(models, methods, ttft.example, ttft.lengths, settings, config.ttft_runs,
+                                     config.memory)  # fmt: skip
     for method in translated:
         if method.load:
             results["routing"][method.name] = {part: load.tolist() for part, load in method.load.items()}

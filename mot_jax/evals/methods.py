@@ -1,0 +1,226 @@
+"""The methods: each turns the same examples' contexts into a target cache (`Method.build`); the target answers.
+
+Methods (all on the same examples, in one run):
+- `no_context`: the target reads the instruction only;
+- `native`: the target reads the passage as text (the upper bound);
+- `text_relay`: the source writes a summary of the passage, the target reads the summary (a raw-text relay is the
+  `native` row: the target re-prefills the same text);
+- translated (one per training workdir): the source reads the passage and the translator builds the target cache;
+- `<translated>, shuffled source` (a control beside each translated method, `ShuffledSource`): the same translator
+  builds this example's cache from another example's source cache, so the translation carries none of this
+  example's passage; a translated method carries the context only where it beats this row.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mot_jax.errors import MotJaxError
+from mot_jax.evals.prompts import (
+    BUCKET,
+    SUFFIX_BUCKET,
+    Contexts,
+    decode_answers,
+    instruction,
+    padded,
+    prefix_text,
+    summary_request,
+    token_ids,
+)
+from mot_jax.models.base import generate, prefill
+from mot_jax.translate import align as alignment_lib
+from mot_jax.translate.translator import _translate_jit, source_prefill
+
+BASELINES = ("no_context", "native", "text_relay")
+
+
+class Stopwatch:
+    """Seconds per stage; each stage ends when its device work is done."""
+
+    def __init__(self):
+        self.stages, self._start = {}, time.perf_counter()
+
+    def lap(self, stage: str, result):
+        jax.block_until_ready(result)
+        now = time.perf_counter()
+        self.stages[stage] = self.stages.get(stage, 0.0) + now - self._start
+        self._start = now
+        return result
+
+
+def kv_bytes(model, tokens, layers=None) -> int:
+    """Bytes of a model's K and V for `tokens` tokens over `layers` layers (default all), in its cache dtype."""
+    c = model.config
+    layers = c.num_layers if layers is None else layers
+    return int(2 * layers * tokens * c.num_kv_heads * c.head_dim * jnp.dtype(model.param_dtype).itemsize)
+
+
+def held_bytes(model, cache) -> int:
+    """Bytes of the K/V a cache holds for its first row's valid tokens."""
+    return kv_bytes(model, int(np.asarray(cache.valid[0]).sum()))
+
+
+class Method:
+    """A way for the target to get a context: `build(contexts, capacity, watch)` returns (target cache, the bytes
+    handed over per row)."""
+
+    name: str
+    source_stage: str | None = None  # the stage that is the source's own prefill (excluded from TTFT)
+
+    def build(self, models, contexts: Contexts, capacity: int, watch: Stopwatch):
+        raise NotImplementedError
+
+
+class NoContext(Method):
+    name = "no_context"
+
+    def build(self, models, contexts, capacity, watch):
+        texts = [instruction(e, contexts.closed) for e in contexts.examples]
+        ids, mask = padded(token_ids(models.target_tokenizer, texts, True), SUFFIX_BUCKET)
+        cache = watch.lap("prefill", prefill(models.target, ids, mask, capacity=capacity)[1])
+        return cache, np.zeros(len(texts), np.int64)
+
+
+class Native(Method):
+    name = "native"
+
+    def build(self, models, contexts, capacity, watch):
+        cache = watch.lap("prefill", prefill(models.target, contexts.ids, contexts.mask, capacity=capacity)[1])
+        return cache, np.array([len(p.encode()) for p in contexts.passages])
+
+
+class TextRelay(Method):
+    name = "text_relay"
+
+    def __init__(self, tokens: int):
+        self.tokens = tokens
+
+    def build(self, models, contexts, capacity, watch):
+        requests = [summary_request(models.source_tokenizer, p) for p in contexts.passages]
+        rows = [token_ids(models.source_tokenizer, [text], specials)[0] for text, specials in requests]
+        ids, mask = padded(rows, BUCKET)
+        eos = models.source.config.eos_ids
+        out = watch.lap("source_summary", generate(models.source, ids, mask, max_new_tokens=self.tokens))
+        summaries = [" ".join(s.split()) for s in decode_answers(models.source_tokenizer, out, eos)]
+        texts = [prefix_text(e, contexts.closed, s) for e, s in zip(contexts.examples, summaries)]
+        ids, mask = padded(token_ids(models.target_tokenizer, texts, True), BUCKET)
+        room = capacity - contexts.length  # the slots the suffix and the answer need
+        cache = watch.lap("prefill", prefill(models.target, ids, mask, capacity=ids.shape[1] + room)[1])
+        return cache, np.array([len(s.encode()) for s in summaries])
+
+
+class Translated(Method):
+    """A trained translator from a training workdir: the source reads the passage, the target gets its cache."""
+
+    source_stage = "source_prefill"
+
+    def __init__(self, name: str, translator, workdir: str, step: int):
+        self.name, self.translator, self.workdir, self.step = name, translator, workdir, step
+        self.load = {}  # "key" / "value" -> tokens routed to each expert, summed over the evaluation
+
+    def read_source(self, models, contexts, watch):
+        """The source's side of a batch: (source cache, its attention top-k, alignment onto the contexts' target
+        grid, source mask), the source having read the contexts' text."""
+        source_ids, source_mask, alignment = alignment_lib.align_batch(
+            models.target_tokenizer, models.source_tokenizer, contexts.ids, contexts.mask
+        )
+        longest = int(source_mask.sum(1).max())
+        if longest > models.source.config.max_positions:
+            raise MotJaxError(
+                f"A context re-encodes to {longest} source tokens, more than the source model's "
+                f"{models.source.config.max_positions}; lower the context budget (--config.budgets) or shorten it."
+            )
+        bucket = -(-source_ids.shape[1] // BUCKET) * BUCKET
+        source_ids, source_mask, alignment = alignment_lib.pad_source(source_ids, source_mask, alignment, bucket)
+        topk = self.translator.spec.attention_topk
+        source_cache, source_topk = watch.lap(
+            "source_prefill", source_prefill(models.source, source_ids, source_mask, topk=topk)
+        )
+        return source_cache, source_topk, alignment, source_mask
+
+    def translate(self, models, contexts, read, capacity, watch):
+        """(target cache, aux) of the translator writing the contexts' target grid from `read` (`read_source`)."""
+        source_cache, source_topk, alignment, _ = read
+        return watch.lap(
+            "translation",
+            _translate_jit(self.translator, models.source, models.target, source_cache, alignment, contexts.ids,
+                           contexts.mask, source_topk, capacity=capacity),
+        )  # fmt: skip
+
+    def handed(self, models, source_mask) -> np.ndarray:
+        layers = len(set(self.translator.spec.source_layers))  # the source layers the translator reads
+        return np.array([kv_bytes(models.source, int(n), layers) for n in np.asarray(source_mask).sum(1)])
+
+    def build(self, models, contexts, capacity, watch):
+        read = self.read_source(models, contexts, watch)
+        cache, aux = self.translate(models, contexts, read, capacity, watch)
+        for part in ("key", "value"):
+            if "stats" in aux.get(part, {}):
+                self.load[part] = self.load.get(part, 0) + np.asarray(aux[part]["stats"]["load"], np.float64)
+        return cache, self.handed(models, read[3])
+
+
+class ShuffledSource(Method):
+    """The control beside a translated method: each example's cache translated from another example's source cache.
+
+    Row b's donor is the next example (cyclically, over all the task's examples, so a batch of one row has one too)
+    whose context differs from row b's (datasets such as SQuAD ask several questions about one passage). The source
+    reads the donor's prefix, and the donor's alignment is carried onto row b's own target grid by position:
+    row b's i-th of n valid tokens takes the donor's floor(i * m / n)-th of m (the identity when n = m), and each
+    donor source token goes to the first of row b's tokens that took its donor token or a later one. The translator
+    then writes row b's grid (its positions, its mask) from the donor's source K/V. What it reads of row b is the
+    number and positions of its tokens and its first token, whose K/V are the target's own (a BOS or the
+    instruction's first token, the same for every example): never row b's passage. The target prompt (row b's
+    question) is row b's. A replay translator's target still reads row b's text itself, as the method does, so
+    there the row tells whether the translated window adds anything to that reading.
+    """
+
+    source_stage = "source_prefill"
+
+    def __init__(self, method: Translated):
+        self.method, self.name = method, f"{method.name}, shuffled source"
+
+    def build(self, models, contexts, capacity, watch):
+        if contexts.donors is None:
+            raise MotJaxError(f"{self.name} needs another example's context per row; build batches with donors.")
+        read = self.method.read_source(models, contexts.donors, watch)
+        source_cache, source_topk, alignment, source_mask = read
+        alignment = regrid(alignment, contexts.donors.mask, contexts.mask, source_mask)
+        cache, _ = self.method.translate(models, contexts, (source_cache, source_topk, alignment, source_mask),
+                                         capacity, watch)  # fmt: skip
+        return cache, self.method.handed(models, source_mask)
+
+
+def regrid(alignment, donor_mask, mask, source_mask) -> alignment_lib.Alignment:
+    """An alignment of source rows onto a donor's target grid (`donor_mask` [B, Td]) carried onto another target
+    grid (`mask` [B, T]) by position, as `ShuffledSource` describes: weights [B, T, S]."""
+    batch, length = np.shape(mask)
+    width = alignment.weights.shape[2]
+    weights = np.zeros((batch, length, width), np.float32)
+    to_source, to_target = np.zeros((batch, length), np.int32), np.zeros((batch, width), np.int32)
+    for b in range(batch):
+        mine, theirs = np.flatnonzero(mask[b]), np.flatnonzero(donor_mask[b])
+        n, m = len(mine), len(theirs)
+        pick = theirs[np.arange(n) * m // n]  # the donor token each of my tokens takes
+        weights[b, mine] = alignment.weights[b, pick]
+        to_source[b, mine] = alignment.target_to_source[b, pick]
+        rank = np.searchsorted(theirs, alignment.source_to_target[b])  # each source token's donor token, 0..m-1
+        first_taker = np.minimum(-(-rank * n // m), n - 1)
+        to_target[b] = np.where(np.asarray(source_mask[b], bool), mine[first_taker], 0)
+    return alignment_lib.Alignment(weights, to_source, to_target)
+
+
+def method_name(config) -> str:
+    """How a trained method is named in reports, from its training config."""
+    t = config.translator
+    if t.get("kind", "mot") == "projector":
+        return f"C2C-Project ({t.mode})"
+    return f"single translator ({t.mode})" if t.num_experts == 1 else f"MoT {t.mode}"
+
+
+def wants_donors(methods) -> bool:
+    return any(isinstance(m, ShuffledSource) for m in methods)

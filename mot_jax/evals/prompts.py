@@ -1,0 +1,192 @@
+"""The evaluation protocol: what a method hands over, what the target reads after it, and how it answers.
+
+Protocol (reference §6, with its quirks fixed): the prefix "instruction + Passage: context" is what a method hands
+over (cached, translated or summarised); the suffix "Question: ... Answer:" is read by the target after it, tokenized
+without special tokens (no BOS in the middle); greedy decoding, cut at the first line break or prompt marker.
+
+Here: the prompt text, its tokens, the padded batches of contexts and suffixes (`batches`) and the jitted reading
+of a suffix after a context cache (`answer`, `choice_logprob`). The methods that build the cache: `methods`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mot_jax.errors import MotJaxError
+from mot_jax.jit import jit
+from mot_jax.models.base import greedy_continue, last_valid_index
+from mot_jax.translate import align as alignment_lib
+
+INSTRUCTIONS = {
+    "extractive": "Read the passage and answer the question briefly. Use a short phrase from the passage when "
+    "possible.",
+    "closed": "Read the passage and answer the question with one of the options only.",
+}
+SUMMARY_REQUEST = "Summarize this passage in a few sentences, keeping every name, place and number."
+BUCKET, SUFFIX_BUCKET = 64, 16  # padded lengths: jitted code compiles once per bucket, not once per batch
+
+
+def instruction(example: dict, closed: bool) -> str:
+    extra = example.get("instruction")
+    return INSTRUCTIONS["closed" if closed else "extractive"] + (f" {extra}" if extra else "")
+
+
+def prefix_text(example: dict, closed: bool, passage: str | None = None) -> str:
+    """What a method hands over: the instruction and the passage (`passage` replaces the context: a summary)."""
+    return f"{instruction(example, closed)}\nPassage: {example['context'] if passage is None else passage}"
+
+
+def suffix_text(example: dict, question: str | None = None, options: bool = True) -> str:
+    """What the target reads after the handed-over prefix; closed-set questions list their options for a generated
+    answer, not when each option's likelihood is scored (small models then mostly copy the first listed one)."""
+    text = f"\nQuestion: {question or example['question']}"
+    if "choices" in example and options:
+        text += f"\nOptions: {' / '.join(example['choices'])}"
+    return text + "\nAnswer:"
+
+
+def summary_request(tokenizer, passage: str) -> tuple[str, bool]:
+    """The text relay's request to the source: (text, add special tokens). Chat models that use ChatML
+    (SmolLM2, Qwen) get their chat format, which makes a 135M model summarise far better than a plain prompt."""
+    if alignment_lib.adapter(tokenizer).backend.token_to_id("<|im_start|>") is not None:
+        turn = f"<|im_start|>user\n{SUMMARY_REQUEST}\n\n{passage}<|im_end|>\n<|im_start|>assistant\n"
+        return turn, False
+    return f"{passage}\n\n{SUMMARY_REQUEST}\nSummary:", True
+
+
+def token_ids(tokenizer, texts, specials: bool) -> list[list[int]]:
+    """Token ids of each text, with (prefixes: the tokenizer's BOS) or without (suffixes, answers) special tokens."""
+    backend = alignment_lib.adapter(tokenizer).backend
+    return [e.ids for e in backend.encode_batch(list(texts), add_special_tokens=specials)]
+
+
+def padded(rows, multiple: int, length: int | None = None):
+    """Right-padded [B, L] int32 ids and bool mask, L the longest row rounded up to `multiple` (or `length`)."""
+    width = length or -(-max(map(len, rows)) // multiple) * multiple
+    ids, mask = np.zeros((len(rows), width), np.int32), np.zeros((len(rows), width), bool)
+    for b, row in enumerate(rows):
+        ids[b, : len(row)], mask[b, : len(row)] = row, True
+    return ids, mask
+
+
+def decode_answers(tokenizer, tokens, eos_ids) -> list[str]:
+    """The text of each row of generated ids, up to its first end-of-sequence token."""
+    backend = alignment_lib.adapter(tokenizer).backend
+    rows = []
+    for row in np.asarray(tokens).tolist():
+        stop = [i for i, t in enumerate(row) if t in eos_ids]
+        rows.append(row[: stop[0]] if stop else row)
+    return backend.decode_batch(rows, skip_special_tokens=True)
+
+
+@jit(static_argnames=("max_new_tokens", "eos_ids"))
+def answer(target, cache, suffix_ids, suffix_mask, *, max_new_tokens, eos_ids=None):
+    """Greedy answers [B, max_new_tokens] of the target reading the suffix after a context cache."""
+    hidden, cache = target.hidden_states(suffix_ids, suffix_mask, cache=cache)
+    logits = target.unembed(hidden[jnp.arange(hidden.shape[0]), last_valid_index(suffix_mask)])
+    return greedy_continue(target, logits, cache, max_new_tokens, eos_ids)
+
+
+@jit
+def choice_logprob(target, cache, suffix_ids, suffix_mask, choice_ids, choice_mask):
+    """Mean log-probability per token [B] of each row's choice tokens read after the context cache and the suffix."""
+    ids, mask = jnp.concatenate([suffix_ids, choice_ids], 1), jnp.concatenate([suffix_mask, choice_mask], 1)
+    hidden, _ = target.hidden_states(ids, mask, cache=cache)
+    first = hidden[jnp.arange(ids.shape[0]), last_valid_index(suffix_mask)]  # predicts the first choice token
+    predictors = jnp.concatenate([first[:, None], hidden[:, suffix_ids.shape[1] : -1]], 1)
+    logp = jax.nn.log_softmax(target.unembed(predictors).astype(jnp.float32), axis=-1)
+    picked = jnp.take_along_axis(logp, choice_ids[..., None], axis=-1)[..., 0] * choice_mask
+    return picked.sum(1) / jnp.maximum(choice_mask.sum(1), 1)
+
+
+@dataclasses.dataclass
+class Contexts:
+    """One batch of contexts as the methods need them."""
+
+    examples: list[dict]
+    closed: bool
+    ids: np.ndarray  # [B, T] target ids of the prefix (BOS, instruction, passage), right-padded, within budget
+    mask: np.ndarray
+    passages: list[str]  # the passage text each row's prefix holds (after truncation to the budget)
+    donors: Contexts | None = None  # row by row, another example's contexts (with another passage): ShuffledSource
+
+    @property
+    def length(self) -> int:
+        return self.ids.shape[1]
+
+
+@dataclasses.dataclass
+class Settings:
+    batch_size: int = 4
+    max_new_tokens: int = 32
+    budget: int | None = None  # at most this many target tokens of prefix (None: what the model's limit leaves)
+
+
+def is_closed(examples) -> bool:
+    return "choices" in examples[0]
+
+
+def prefix_budgets(models, prefixes, suffixes, settings: Settings) -> list[int]:
+    """Per example, the prefix tokens that fit: the model's limit minus suffix and answer, capped by the budget."""
+    limit = models.target.config.max_positions
+    budgets = []
+    for index, (prefix, suffix) in enumerate(zip(prefixes, suffixes)):
+        budget = int(min(limit - len(suffix) - settings.max_new_tokens, settings.budget or np.inf))
+        if budget < min(len(prefix), 2):
+            raise MotJaxError(
+                f"Example {index} cannot fit: its question and a {settings.max_new_tokens}-token answer leave "
+                f"{budget} of the target's {limit} tokens for the context; shorten the question, lower "
+                "max_new_tokens or raise the budget."
+            )
+        budgets.append(budget)
+    return budgets
+
+
+def donor_indices(examples) -> list[int]:
+    """Per example, the next example (cyclically) whose context differs from its own: `ShuffledSource`'s donor."""
+    count = len(examples)
+    donors = []
+    for i, example in enumerate(examples):
+        others = [j % count for j in range(i + 1, i + count) if examples[j % count]["context"] != example["context"]]
+        if not others:
+            raise MotJaxError(
+                f"The shuffled-source control needs examples with at least two different contexts; these {count} "
+                "have one. Pass more examples (--config.examples) or turn it off (--config.shuffled_source=false)."
+            )
+        donors.append(others[0])
+    return donors
+
+
+def batches(models, examples, settings: Settings, questions=None, donors: bool = False):
+    """(Contexts, suffix ids, suffix mask) per batch; `questions` replaces each example's question (multi-agent);
+    `donors` attaches each row's donor contexts (`donor_indices`) for `ShuffledSource`."""
+    donor = donor_indices(examples) if donors else None
+    closed = is_closed(examples)
+    prefixes = token_ids(models.target_tokenizer, [prefix_text(e, closed) for e in examples], True)
+    suffixes = token_ids(
+        models.target_tokenizer,
+        [suffix_text(e, None if questions is None else questions[i]) for i, e in enumerate(examples)],
+        False,
+    )
+    budgets = prefix_budgets(models, prefixes, suffixes, settings)
+    prefixes = [p[:b] for p, b in zip(prefixes, budgets)]
+    # the passage a truncated prefix still holds: its text minus the instruction header
+    texts = alignment_lib.adapter(models.target_tokenizer).backend.decode_batch(prefixes, skip_special_tokens=True)
+    passages = [t.split("\nPassage: ", 1)[1] if "\nPassage: " in t else "" for t in texts]
+    for start in range(0, len(examples), settings.batch_size):
+        rows = slice(start, start + settings.batch_size)
+        ids, mask = padded(prefixes[rows], BUCKET)
+        contexts = Contexts(examples[rows], closed, ids, mask, passages[rows])
+        if donor:
+            picked = donor[rows]
+            contexts.donors = Contexts([examples[j] for j in picked], closed, *padded([prefixes[j] for j in picked],
+                                       BUCKET), [passages[j] for j in picked])  # fmt: skip
+        yield contexts, *padded(suffixes[rows], SUFFIX_BUCKET)
+
+
+def capacity_for(contexts: Contexts, suffix_ids, extra: int) -> int:
+    return contexts.length + suffix_ids.shape[1] + extra
