@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from mot_jax import bench
+from mot_jax.bench import common, page, train
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTIONS = (
@@ -63,8 +63,8 @@ def test_quick_page(tmp_path):
             assert not any(cell.lower() in ("nan", "inf", "-inf") for cell in row), row
     assert "Goal (N = 8, k = 1 sparse at least 3x faster than dense): **" in text
     assert "Goal (at least 50x when the ids are re-encodable): **" in text
-    assert f"]({bench.PLOT})" in text
-    assert (tmp_path / bench.PLOT).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"]({page.PLOT})" in text
+    assert (tmp_path / page.PLOT).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")]  # no temporary file left
     for heading in ("## Mixture", "## Time to first token"):  # the sections are printed as they finish
         assert heading in result.stdout
@@ -89,16 +89,16 @@ def test_bad_part_is_one_line():
     ],
 )
 def test_goal_note(value, threshold, higher, expected):
-    assert bench.goal_note("g", value, threshold, higher) == expected
+    assert common.goal_note("g", value, threshold, higher) == expected
 
 
 def test_helpers():
-    assert bench.goal_note("g", 2.4, 3, True, "{:.1f}x") == "Goal (g): **not met, 2.4x**."
-    assert bench.span([1.06, 2.02, 1.4]) == "1.06x-2.02x" and bench.span([2.0, 2.001]) == "2.00x"
-    assert [bench.ms(s) for s in (2.6843, 0.0123, 0.0004)] == ["2684", "12.3", "0.400"]
-    assert bench.peak_flops("NVIDIA H100 80GB HBM3") == 989e12 and bench.peak_flops("TPU v5 lite") == 197e12
-    assert bench.peak_flops("cpu") is None
-    table = bench.Table(("model", "ms", "speed-up"), [("gpt2", "12", "1.50x")])
+    assert common.goal_note("g", 2.4, 3, True, "{:.1f}x") == "Goal (g): **not met, 2.4x**."
+    assert common.span([1.06, 2.02, 1.4]) == "1.06x-2.02x" and common.span([2.0, 2.001]) == "2.00x"
+    assert [common.ms(s) for s in (2.6843, 0.0123, 0.0004)] == ["2684", "12.3", "0.400"]
+    assert train.peak_flops("NVIDIA H100 80GB HBM3") == 989e12 and train.peak_flops("TPU v5 lite") == 197e12
+    assert train.peak_flops("cpu") is None
+    table = common.Table(("model", "ms", "speed-up"), [("gpt2", "12", "1.50x")])
     assert table.markdown() == "| model | ms | speed-up |\n| --- | ---: | ---: |\n| gpt2 | 12 | 1.50x |"
 
 
@@ -112,4 +112,4 @@ def test_matmul_flops_counts_scan_trips():
     x = jnp.ones((4, 8))
     w = jnp.ones((8, 8))
     jaxpr = jax.jit(f).trace(x, w).jaxpr.jaxpr
-    assert bench.matmul_flops(jaxpr) == 5 * 2 * 4 * 8 * 8
+    assert train.matmul_flops(jaxpr) == 5 * 2 * 4 * 8 * 8

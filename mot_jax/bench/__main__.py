@@ -1,0 +1,140 @@
+"""Benchmarks: every part in one run writes the benchmark page; one part prints its section.
+
+  python -m mot_jax.bench                       # every part -> BENCHMARKS.md + benchmarks_ttft.png (here, or --out)
+  python -m mot_jax.bench models                # prefill (and decode) against transformers: random-init shapes at
+                                                # 512 tokens, and the offline pair at 128 / 512 / 2,048 tokens
+  python -m mot_jax.bench mixture               # sparse against dense mixture, N = 2, 4, 8 and k = 1, 2
+  python -m mot_jax.bench align                 # alignment of 2,048-token texts against the per-token reference
+  python -m mot_jax.bench ttft                  # native / replay / direct time to first token (evals.latency)
+  python -m mot_jax.bench ttft --workdirs=DIR   # ... of trained translators (training workdirs) instead of untrained
+  python -m mot_jax.bench train                 # the training step of configs/smollm2_gemma3.py (replay and direct)
+  python -m mot_jax.bench --quick --out=/tmp/bench/BENCHMARKS.md   # every part on tiny random models
+
+Time: the whole page takes about 15 minutes on a 2-core CPU with the default `--runs=3` (models ~7, ttft ~2, train
+~2, align ~1, mixture ~0.5), after the offline models are converted and the corpus prepared. `--quick` runs every
+part on tiny random models with tiny sizes and one run per cell (it ignores the size flags) in 1-1.5 minutes, most
+of it compiling: it checks that the page builds, its numbers mean nothing; without --out it writes no page. Parts
+named on the command line are printed (each section's Markdown on stdout, progress on stderr); with --out they also
+make a page of their own. The page is written (atomically, with its plot) only after every part has succeeded.
+
+Both sides of a comparison do the same work in one process, interleaved: same weights, dtype, batch and tokens;
+prefill fills the cache and computes logits for the last position only (transformers: `logits_to_keep=1`); torch
+uses as many threads as XLA has cores; compile time is reported apart; each cell is the median of `--runs` runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+
+from mot_jax.bench.align import bench_align
+from mot_jax.bench.common import DEFAULT_MIXTURE, QUICK, Plan, log
+from mot_jax.bench.mixture import bench_mixture
+from mot_jax.bench.models import bench_models
+from mot_jax.bench.page import PAGE, PLOT, machine, write_page
+from mot_jax.bench.train import bench_train
+from mot_jax.bench.ttft import bench_ttft
+
+# --quick compiles with XLA's cheap CPU pipeline (it halves the compile time; the numbers mean nothing anyway)
+QUICK_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
+PARTS = {
+    "models": bench_models,
+    "mixture": bench_mixture,
+    "align": bench_align,
+    "ttft": bench_ttft,
+    "train": bench_train,
+}
+
+
+def run_parts(parts: list[str], plan: Plan, out: str | None):
+    import gc
+
+    import jax
+
+    sections, began = [], time.perf_counter()
+    for part in parts:
+        log(f"bench: {part} ...")
+        start = time.perf_counter()
+        section = PARTS[part](plan)
+        section.part, section.seconds = part, time.perf_counter() - start
+        log(f"bench: {part} done in {section.seconds:.0f} s ({time.perf_counter() - began:.0f} s in all)")
+        print(section.markdown(), flush=True)
+        sections.append(section)
+        jax.clear_caches()  # each part's compiled programs and their memory go
+        gc.collect()
+    if out:
+        write_page(out, sections, plan)
+        log(f"bench: wrote {out}" + (f" and {PLOT}" if any(s.plot for s in sections) else ""))
+
+
+# ---------------------------------------------------------------------------------------------------- main
+
+
+def define_flags():
+    from absl import flags
+
+    flags.DEFINE_integer("runs", 3, "Timed runs per cell (the median is reported).")
+    models = "models: random-init shapes (RANDOM) or model names, prefill at --tokens ('' skips)."
+    flags.DEFINE_list("models", ["gpt2", "opt-125m", "qwen2-160m"], models)
+    flags.DEFINE_integer("tokens", 512, "models: prompt length of --models.")
+    flags.DEFINE_list("batches", ["1", "8"], "models: batch sizes of --models.")
+    flags.DEFINE_list("dtypes", ["float32", "bfloat16"], "models: dtypes of --models.")
+    pair = "models: real models, prefill at every --lengths (batch 1, float32) and greedy decode ('' skips)."
+    flags.DEFINE_list("pair", ["smollm2-135m", "gemma3-270m"], pair)
+    flags.DEFINE_list("lengths", ["128", "512", "2048"], "Prompt lengths of --pair and context lengths of ttft.")
+    flags.DEFINE_integer("decode_tokens", 32, "models: greedy tokens decoded by --pair (0: skip).")
+    flags.DEFINE_list("workdirs", [], "ttft: training workdirs (one model pair) to time instead of untrained ones.")
+    flags.DEFINE_string("out", None, f"Page to write (default {PAGE} when every part runs; the plot goes beside it).")
+    flags.DEFINE_bool(
+        "quick", False, "Every size tiny (random models, one run): checks the page builds (1-1.5 minutes)."
+    )
+
+
+def make_plan(fail) -> Plan:
+    from absl import flags
+
+    f = flags.FLAGS
+    if f.quick:
+        return dataclasses.replace(QUICK, workdirs=tuple(f.workdirs))
+    try:
+        ints = lambda values: tuple(int(v) for v in values)  # noqa: E731
+        batches, lengths = ints(f.batches), ints(f.lengths)
+    except ValueError:
+        fail("--batches and --lengths take comma lists of integers.")
+    if f.runs < 1:
+        fail("--runs must be at least 1.")
+    if set(f.dtypes) - {"float32", "bfloat16"}:
+        fail(f"--dtypes takes float32 and/or bfloat16, not {','.join(f.dtypes)}.")
+    return Plan(
+        runs=f.runs, models=tuple(f.models), tokens=f.tokens, batches=batches, dtypes=tuple(f.dtypes),
+        pair=tuple(f.pair), lengths=lengths, decode_tokens=f.decode_tokens, decode_prompt=128,
+        mixture=DEFAULT_MIXTURE, align=dict(target="gemma3-270m", source="smollm2-135m", length=2048, batches=(1, 8)),
+        config_arg="", workdirs=tuple(f.workdirs),
+    )  # fmt: skip
+
+
+def main(argv):
+    from absl import flags
+
+    from mot_jax.cli import fail, run_or_exit
+
+    parts = argv[1:] or list(PARTS)
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown:
+        fail(f"unknown part {unknown[0]!r}; name some of {', '.join(PARTS)}, or none for all of them and the page.")
+    quick = flags.FLAGS.quick
+    if quick:  # before jax starts its backend, which reads the flags
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {QUICK_XLA_FLAGS}".strip()
+    out = flags.FLAGS.out or (PAGE if not argv[1:] and not quick else None)
+    plan = make_plan(fail)
+    log(f"bench: {', '.join(parts)}{' (quick)' if quick else ''}; {machine()['machine']}")
+    run_or_exit(run_parts, parts, plan, out)
+
+
+if __name__ == "__main__":
+    from absl import app
+
+    define_flags()
+    app.run(main)

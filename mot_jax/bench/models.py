@@ -1,0 +1,231 @@
+"""The models part: prefill (and greedy decode) of mot_jax against transformers with the same weights."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+
+from mot_jax.bench.common import Plan, Section, Table, goal_note, log, median_time, ms, span
+from mot_jax.models import tiny
+
+# Random-init stand-ins with the real shapes (Qwen2 at 12 layers of Qwen2.5-0.5B so a CPU run stays short), and the
+# tiny random families of `mot_jax.models.tiny` for --quick.
+RANDOM = {
+    "gpt2": dict(model_type="gpt2", n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=2048),
+    "opt-125m": dict(
+        model_type="opt", num_hidden_layers=12, hidden_size=768, num_attention_heads=12, ffn_dim=3072,
+        vocab_size=50272, max_position_embeddings=2048,
+    ),
+    "qwen2-160m": dict(
+        model_type="qwen2", num_hidden_layers=12, hidden_size=896, num_attention_heads=14, num_key_value_heads=2,
+        intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True,
+    ),
+}  # fmt: skip
+RANDOM |= {
+    f"tiny-{family}": tiny.hf_config(tiny.PREFIX + family) for family in ("gpt2", "opt", "qwen2", "llama", "gemma3")
+}
+
+
+def random_checkpoint(name, path):
+    import torch
+    import transformers
+
+    if not os.path.isdir(path):  # one checkpoint per model, whatever the dtypes
+        config = transformers.AutoConfig.for_model(**RANDOM[name])
+        torch.manual_seed(0)
+        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return path
+
+
+def load_both(name, dtype, tmp):
+    """(our model, the transformers model) with the same weights."""
+    import torch
+    import transformers
+
+    from mot_jax.models import gguf
+    from mot_jax.models.loading import load_model
+
+    if name in RANDOM:
+        path = random_checkpoint(name, os.path.join(tmp, name))
+    elif gguf.resolve_gguf(name):  # transformers reads our converted cache: the same de-quantized weights
+        _, _, path = gguf.convert(gguf.resolve_gguf(name), name if name in gguf.EMBEDDED else None, load=False)
+    else:
+        path = name
+    ours, _ = load_model(path, dtype=dtype)
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).eval()
+    return ours, theirs
+
+
+def bench_prefill(ours, theirs, ids, runs):
+    """(mot_jax seconds, transformers seconds, jit compile seconds) for one prefill of `ids`, interleaved."""
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    from mot_jax.jit import jit
+
+    prefill = jit(lambda model, ids: model(ids, logits_to_keep=1)[0])
+    jids, tids = jnp.asarray(ids), torch.tensor(ids)
+
+    def run_ours():
+        jax.block_until_ready(prefill(ours, jids))
+
+    def run_theirs():
+        with torch.no_grad():
+            theirs(tids, logits_to_keep=1, use_cache=True)
+
+    compile_s = median_time(run_ours, 1)
+    run_theirs()  # warm-up
+    pairs = [(median_time(run_ours, 1), median_time(run_theirs, 1)) for _ in range(runs)]
+    return statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs), compile_s
+
+
+def bench_decode(ours, theirs, new_tokens, prompt, runs):
+    """Greedy tokens per second after a `prompt`-token prompt at batch 1 (generate N minus generate 1); None where
+    the difference is not positive (noise on tiny models)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+
+    from mot_jax.models.base import generate
+
+    ids = np.random.default_rng(1).integers(0, ours.config.vocab_size, size=(1, prompt))
+
+    def ours_fn(k):
+        return lambda: jax.block_until_ready(generate(ours, jnp.asarray(ids), max_new_tokens=k, eos_ids=()))
+
+    def theirs_fn(k):
+        def run():
+            with torch.no_grad():
+                theirs.generate(torch.tensor(ids), max_new_tokens=k, min_new_tokens=k, do_sample=False)
+
+        return run
+
+    for k in (1, new_tokens):
+        ours_fn(k)(), theirs_fn(k)()  # compile / warm up
+    rates = []
+    for fn in (ours_fn, theirs_fn):
+        extra = median_time(fn(new_tokens), runs) - median_time(fn(1), runs)
+        rates.append((new_tokens - 1) / extra if extra > 0 else None)
+    return tuple(rates)
+
+
+def compare_models(names, dtypes, lengths, batches, plan, tmp, decode=False):
+    """Prefill rows (name, dtype, tokens, batch, ours s, theirs s, compile s) and decode rows (name, dtype, ours
+    tokens/s, theirs tokens/s)."""
+    import numpy as np
+
+    prefill_rows, decode_rows = [], []
+    for name in names:
+        for dtype in dtypes:
+            ours, theirs = load_both(name, dtype, tmp)
+            for length in lengths:
+                for batch in batches:
+                    ids = np.random.default_rng(0).integers(0, ours.config.vocab_size, size=(batch, length))
+                    mo, mt, compile_s = bench_prefill(ours, theirs, ids, plan.runs)
+                    prefill_rows.append((name, dtype, length, batch, mo, mt, compile_s))
+                    log(f"  {name} {dtype} T={length} B={batch}: mot_jax {ms(mo)} ms, transformers {ms(mt)} ms "
+                        f"(compile {compile_s:.1f} s)")  # fmt: skip
+            if decode and plan.decode_tokens > 1:
+                rates = bench_decode(ours, theirs, plan.decode_tokens, plan.decode_prompt, plan.runs)
+                decode_rows.append((name, dtype, *rates))
+                log(f"  {name} {dtype} decode (tokens/s): mot_jax {rate(rates[0])}, transformers {rate(rates[1])}")
+    return prefill_rows, decode_rows
+
+
+def prefill_table(rows) -> Table:
+    header = ("model", "dtype", "tokens", "batch", "mot_jax (ms)", "transformers (ms)", "speed-up", "jit compile (s)")
+    cells = [(name, dtype, length, batch, ms(mo), ms(mt), f"{mt / mo:.2f}x", f"{compile_s:.1f}")
+             for name, dtype, length, batch, mo, mt, compile_s in rows]  # fmt: skip
+    return Table(header, cells, left=2)
+
+
+def rate(tokens_per_s) -> str:
+    return "n/a" if tokens_per_s is None else f"{tokens_per_s:.1f}"
+
+
+def decode_table(rows) -> Table:
+    cells = [(name, dtype, rate(ours), rate(theirs), f"{ours / theirs:.2f}x" if ours and theirs else "n/a")
+             for name, dtype, ours, theirs in rows]  # fmt: skip
+    return Table(("model", "dtype", "mot_jax (tokens/s)", "transformers (tokens/s)", "speed-up"), cells, left=2)
+
+
+BF16_ON_CPU = (
+    "PyTorch's CPU bf16 matmuls go through oneDNN's native bf16 kernels, while XLA's CPU backend does not reach "
+    "that speed. These XLA flags made no difference to bf16 (SmolLM2-135M, 512 tokens): `--xla_cpu_use_onednn=true`, "
+    "`--xla_cpu_experimental_onednn_custom_call=true`, `--xla_cpu_use_xnnpack=true`, "
+    "`--xla_cpu_experimental_xnn_fusion_type=dot`, `--xla_cpu_experimental_onednn_fusion_type=dot`. Use float32 on "
+    "CPU; bfloat16 is for accelerators."
+)
+
+
+def weights(names) -> str:
+    if all(name in RANDOM for name in names):
+        return ("random weights, `RANDOM` in `mot_jax/bench/models.py`: gpt2 and opt-125m at full size, Qwen2.5-0.5B's "
+                "layer shape at 12 layers, `tiny-*` the tiny random families")  # fmt: skip
+    return "de-quantized GGUF weights for the embedded models: transformers reads our converted cache of the same file"
+
+
+def speedups(rows, dtype):
+    return [mt / mo for _, d, _, _, mo, mt, _ in rows if d == dtype]
+
+
+def bench_models(plan: Plan) -> Section:
+    import jax
+    import torch
+    import transformers
+
+    torch.set_num_threads(1 if plan.quick else os.cpu_count())  # quick: no threads spinning on a busy machine
+    transformers.utils.logging.disable_progress_bar()
+    body = []
+    with tempfile.TemporaryDirectory() as tmp:
+        if plan.models:
+            rows, _ = compare_models(plan.models, plan.dtypes, (plan.tokens,), plan.batches, plan, tmp)
+            body += [
+                "### Random-init shapes",
+                f"{', '.join(plan.models)} ({weights(plan.models)}) at {plan.tokens} tokens.",
+                prefill_table(rows),
+            ]
+            fp32, bf16 = speedups(rows, "float32"), speedups(rows, "bfloat16")
+            notes = []
+            if fp32:
+                notes.append(f"float32: mot_jax prefill runs at {span(fp32)} transformers' speed.")
+            if bf16:
+                notes.append(f"bfloat16: {span(bf16)}.")
+                if jax.default_backend() == "cpu" and statistics.median(bf16) < 1:
+                    notes.append(f"mot_jax is slower in bfloat16 on XLA:CPU: {BF16_ON_CPU}")
+            body.append(" ".join(notes))
+        if plan.pair:
+            rows, decode = compare_models(plan.pair, ("float32",), plan.lengths, (1,), plan, tmp, decode=True)
+            body += [
+                "### The offline pair",
+                f"{' and '.join(plan.pair)} ({weights(plan.pair)}), float32, batch 1, at "
+                f"{', '.join(map(str, plan.lengths))} tokens. A fresh prefill attends in causal query blocks of 512, "
+                "skipping the keys after each block.",
+                prefill_table(rows),
+            ]
+            notes = [goal_note("float32 prefill faster than transformers in every cell", min(speedups(rows, "float32")),
+                               1.0, True, "{:.2f}x at the least")]  # fmt: skip
+            if decode:
+                body += [
+                    f"Greedy decode after a {plan.decode_prompt}-token prompt, batch 1: a jitted step into a "
+                    "preallocated cache (mot_jax: the whole loop is one `lax.scan`) against transformers `generate` "
+                    f"(its dynamic cache); rate = {plan.decode_tokens - 1} tokens / (time for {plan.decode_tokens} "
+                    "new tokens - time for 1).",
+                    decode_table(decode),
+                ]
+                rates = [ours / theirs for _, _, ours, theirs in decode if ours and theirs]
+                if rates:
+                    notes.append(goal_note("float32 greedy decode faster than transformers", min(rates), 1.0, True,
+                                           "{:.2f}x at the least"))  # fmt: skip
+            body.append(" ".join(notes))
+    intro = (
+        "Prefill of random token ids: both sides fill the KV cache and compute logits for the last position only "
+        "(`logits_to_keep=1` in transformers) with the same weights (transformers reads the checkpoint mot_jax "
+        "loads), dtype, batch and tokens. The jit compile column is mot_jax's first call (compile and one run), "
+        "never timed. Speed-up = transformers time / mot_jax time (above 1: mot_jax is faster)."
+    )
+    return Section("Model prefill and decode: mot_jax against transformers", intro, body)
