@@ -6,9 +6,11 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
 from flax import nnx
@@ -16,7 +18,7 @@ from flax import nnx
 from mot_jax.errors import MotJaxError
 from mot_jax.evals import datasets, metrics, report, run, synthetic
 from mot_jax.evals.config import defaults
-from mot_jax.evals.methods import Native, ShuffledSource, Stopwatch, Translated, regrid
+from mot_jax.evals.methods import Native, ShuffledSource, Stopwatch, Translated, method_name, regrid
 from mot_jax.evals.prompts import (
     Settings,
     batches,
@@ -373,7 +375,21 @@ def test_shuffled_source_donors_skip_examples_with_the_same_context():
 
 def test_shuffled_source_rows_follow_their_methods_and_are_off_by_config():
     """The report side of the rows is checked in test_report_files_are_written_and_parse (slow)."""
-    a, b = (Translated(name, None, "w", 1) for name in ("A", "B"))
-    assert [m.name for m in run.with_controls([a, b], True)] == ["A", "A, shuffled source", "B", "B, shuffled source"]
+    reads = lambda inputs: SimpleNamespace(spec=SimpleNamespace(reads_source="source" in inputs))  # noqa: E731
+    a, b = (Translated(name, reads(("source",)), "w", 1) for name in ("A", "B"))
+    free = Translated("C", reads(("embeddings",)), "w", 1)  # source-free: nothing to shuffle
+    rows = run.with_controls([a, free, b], True)
+    assert [m.name for m in rows] == ["A", "A, shuffled source", "C", "B", "B, shuffled source"]
     assert run.with_controls([a, b], False) == [a, b]
     assert defaults().shuffled_source is True
+
+
+def test_dial_runs_are_named_by_their_bottom_and_source():
+    def name(**translator):
+        t = dict(mode="direct", kind="mot", num_experts=2, inputs="source", native_bottom=0) | translator
+        return method_name(ml_collections.ConfigDict(dict(translator=t)))
+
+    assert name() == "MoT direct"
+    assert name(native_bottom=6, inputs="source,embeddings") == "MoT direct, B=6"
+    assert name(native_bottom=6, inputs="embeddings,hidden") == "source-free MoT direct, B=6"
+    assert name(kind="projector") == "C2C-Project (direct)"

@@ -16,6 +16,7 @@ from mot_jax.translate.translator import (
     TranslationSpec,
     linear_skip_sums,
     mixture_config,
+    run_native_bottom,
     solve_linear_skip,
     translate_window,
 )
@@ -34,19 +35,30 @@ def window_error(translator, source, target, batch, frozen):
     except each row's first (computed through translate_window, the path the cache takes)."""
     source_cache, _, native = frozen
     mask = jnp.asarray(batch.context_mask)
-    k, v, _ = translate_window(translator, source, target, source_cache, batch.alignment, mask)
+    context = jnp.asarray(batch.context)
+    _, features = run_native_bottom(translator.spec, target, context, mask, target.init_cache(*context.shape))
+    k, v, _ = translate_window(translator, source, target, source_cache, batch.alignment, mask, features)
     layers = np.asarray(translator.spec.target_layers)
     tokens = mask.at[:, 0].set(False)
     return [objective.layer_mse(got, want[layers], tokens).mean() for got, want in ((k, native.k), (v, native.v))]
 
 
-@pytest.mark.parametrize("mode, rotary", [("direct", True), ("replay", False)])
-def test_least_squares_skip_minimises_the_translated_kv_error(pair, mode, rotary):
-    """After the fit, the translated K/V error (through the whole window path, re-rotation included) is at a minimum
-    over the skips' parameters (zero gradient), lower than before, and equal to what the solve reports."""
+@pytest.mark.parametrize(
+    "mode, rotary, dial",
+    [
+        ("direct", True, {}),
+        ("replay", False, {}),
+        ("direct", True, dict(native_bottom=1, inputs=("source", "hidden"))),  # fewer inputs than fitted tokens
+    ],
+)
+def test_least_squares_skip_minimises_the_translated_kv_error(pair, mode, rotary, dial):
+    """After the fit, the translated K/V error (through the whole window path, re-rotation and the target-side inputs
+    included) is at a minimum over the skips' parameters (zero gradient), lower than before, and equal to what the
+    solve reports."""
     source, target, batch = pair
     ls, lt = source.config.num_layers, target.config.num_layers
-    spec = TranslationSpec.build(mode, channels.terminal(ls, lt, 0.5), ls, lt, rotary=rotary, sparse_attention=False)
+    spec = TranslationSpec.build(mode, channels.terminal(ls, lt, 0.5), ls, lt, rotary=rotary, sparse_attention=False,
+                                 **dial)  # fmt: skip
     cfg = mixture_config(spec, source, target, dim=16, heads=2, depth=1, num_experts=2, output_activation="none",
                          linear_skip=True)  # fmt: skip
     translator = KVTranslator(spec, cfg, rngs=nnx.Rngs(0))
@@ -58,7 +70,7 @@ def test_least_squares_skip_minimises_the_translated_kv_error(pair, mode, rotary
     before, at_zero = errors(initial), gradient(initial)  # the skips start at zero
 
     sums = linear_skip_sums(translator, source, target, frozen[0], batch.alignment, frozen[2],
-                            jnp.asarray(batch.context_mask))  # fmt: skip
+                            jnp.asarray(batch.context_mask), jnp.asarray(batch.context))  # fmt: skip
     reported = {}
     for name in ("key", "value"):
         kernel, bias, *reported[name] = solve_linear_skip(jax.device_get(sums[name]), ridge=1e-9)

@@ -56,9 +56,10 @@ def planned_bytes(models, method, contexts, suffix_ids, suffix_mask, settings: S
         source_ids, source_mask, alignment = alignment_lib.align_batch(
             models.target_tokenizer, models.source_tokenizer, contexts.ids, contexts.mask
         )
-        topk = spec.attention_topk
-        source_cache, source_topk = source_prefill(models.source, source_ids, source_mask, topk=topk)
-        programs.append(source_prefill.lower(models.source, source_ids, source_mask, topk=topk))
+        topk, source_cache, source_topk = spec.attention_topk, None, None
+        if spec.reads_source:
+            source_cache, source_topk = source_prefill(models.source, source_ids, source_mask, topk=topk)
+            programs.append(source_prefill.lower(models.source, source_ids, source_mask, topk=topk))
         programs.append(_translate_jit.lower(method.translator, models.source, models.target, source_cache, alignment,
                                              contexts.ids, contexts.mask, source_topk, capacity=capacity))  # fmt: skip
     elif isinstance(method, Native):

@@ -128,6 +128,8 @@ class Translated(Method):
         source_ids, source_mask, alignment = alignment_lib.align_batch(
             models.target_tokenizer, models.source_tokenizer, contexts.ids, contexts.mask
         )
+        if not self.translator.spec.reads_source:  # the source-free control: no source prefill, no cache
+            return None, None, alignment, source_mask
         longest = int(source_mask.sum(1).max())
         if longest > models.source.config.max_positions:
             raise MotJaxError(
@@ -152,7 +154,8 @@ class Translated(Method):
         )  # fmt: skip
 
     def handed(self, models, source_mask) -> np.ndarray:
-        layers = len(set(self.translator.spec.source_layers))  # the source layers the translator reads
+        spec = self.translator.spec
+        layers = len(set(spec.source_layers)) * spec.reads_source  # the source layers the translator reads
         return np.array([kv_bytes(models.source, int(n), layers) for n in np.asarray(source_mask).sum(1)])
 
     def build(self, models, contexts, capacity, watch):
@@ -176,7 +179,9 @@ class ShuffledSource(Method):
     number and positions of its tokens and its first token, whose K/V are the target's own (a BOS or the
     instruction's first token, the same for every example): never row b's passage. The target prompt (row b's
     question) is row b's. A replay translator's target still reads row b's text itself, as the method does, so
-    there the row tells whether the translated window adds anything to that reading.
+    there the row tells whether the translated window adds anything to that reading; so do a direct translator's
+    target-side inputs (its own bottom layers and embeddings, `native_bottom` and `inputs`): only the source is
+    another example's.
     """
 
     source_stage = "source_prefill"
@@ -218,8 +223,12 @@ def method_name(config) -> str:
     """How a trained method is named in reports, from its training config."""
     t = config.translator
     if t.get("kind", "mot") == "projector":
-        return f"C2C-Project ({t.mode})"
-    return f"single translator ({t.mode})" if t.num_experts == 1 else f"MoT {t.mode}"
+        name = f"C2C-Project ({t.mode})"
+    else:
+        name = f"single translator ({t.mode})" if t.num_experts == 1 else f"MoT {t.mode}"
+    if "source" not in t.get("inputs", "source").split(","):
+        name = f"source-free {name}"
+    return f"{name}, B={t.native_bottom}" if t.get("native_bottom", 0) else name
 
 
 def wants_donors(methods) -> bool:

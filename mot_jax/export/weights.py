@@ -52,8 +52,14 @@ def translator_tensors(translator, source=None, target=None) -> dict[str, np.nda
 def translator_config(translator, source, target) -> dict:
     """JSON-serialisable: the TranslatorConfig and TranslationSpec fields and the two models' cache shapes."""
     lists = lambda d: {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}  # noqa: E731
+    spec = dataclasses.asdict(translator.spec)
+    if spec.pop("native_bottom") or tuple(spec.pop("inputs")) != ("source",):
+        raise MotJaxError(
+            "The PyTorch export covers translators that read the source alone (native_bottom=0, inputs='source'); "
+            "this one reads the target's own layers or embeddings, so evaluate it in JAX."
+        )
     out = {"format": FORMAT, "format_version": 1}
-    out |= lists(dataclasses.asdict(translator.cfg)) | lists(dataclasses.asdict(translator.spec))
+    out |= lists(dataclasses.asdict(translator.cfg)) | lists(spec)
     for side, model in (("source", source), ("target", target)):
         cfg = _config(model)
         out |= {f"{side}_num_layers": cfg.num_layers, f"{side}_kv_heads": cfg.num_kv_heads}

@@ -197,10 +197,13 @@ class CausalLM(nnx.Module):
         return hidden, cache
 
     def run_layers(
-        self, input_ids, attention_mask=None, positions=None, cache=None, injection=None, topk=0, fresh=False
-    ):
+        self, input_ids, attention_mask=None, positions=None, cache=None, injection=None, topk=0, fresh=False,
+        stop=None,
+    ):  # fmt: skip
         """`hidden_states` with an optional `Injection`, and with `topk > 0` also each layer's top-k attended keys
-        (head-averaged attention weights) as [L, B, T, topk] slot indices (else None)."""
+        (head-averaged attention weights) as [L, B, T, topk] slot indices (else None). With `stop` only layers
+        `0..stop-1` run (the cache's other layers stay as they were) and the hidden states are their output, the
+        residual stream before layer `stop`, not final-normed."""
         batch, length = input_ids.shape
         mask = jnp.ones((batch, length), bool) if attention_mask is None else attention_mask.astype(bool)
         if cache is None:
@@ -225,9 +228,11 @@ class CausalLM(nnx.Module):
             return (x, layer_cache.k_all, layer_cache.v_all), layer_cache.topk_indices
 
         xs = (stacked, jnp.arange(self.config.num_layers), per_layer)
+        if stop is not None:
+            xs = jax.tree.map(lambda a: a[:stop], xs)
         (x, k, v), topk_indices = jax.lax.scan(body, (x, cache.k, cache.v), xs)
         cache = cache.replace(k=k, v=v, index=cache.index + length)
-        return self.final_norm(x), cache, topk_indices
+        return (x if stop is not None else self.final_norm(x)), cache, topk_indices
 
     def final_norm(self, x):
         return x

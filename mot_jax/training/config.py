@@ -24,6 +24,7 @@ def base() -> ml_collections.ConfigDict:
     c.data.total_tokens = 128  # target tokens per chunk: context P-1, prompt (suffix) T-P+1, labels shifted
     c.data.prefix_tokens = 64
     c.data.source_length = 128  # static source context length (chunks whose source text is longer are skipped)
+    c.data.copy_fraction = 0.0  # ours: the share of training rows whose prompt repeats a span of their context
 
     c.translator = ml_collections.ConfigDict()
     c.translator.mode = "replay"  # replay (paper) | direct
@@ -56,6 +57,12 @@ def base() -> ml_collections.ConfigDict:
     # ours: beside each mixture a linear map per window layer from the aligned source K (or V) to the target's, added
     # to the mixture's output and set by least squares on the first skip_fit_batches training batches before step 1
     c.translator.linear_skip = False
+    # direct (ours): the target's own layers below this run over the context, the translator writes the rest
+    c.translator.native_bottom = 0
+    # what the translator reads per token, a comma list: source (the aligned source K/V, paper), embeddings (the
+    # target's own token embeddings), hidden (its residual stream after the native bottom layers); no source: the
+    # source-free control
+    c.translator.inputs = "source"
     c.translator.skip_fit_batches = 8
     c.translator.sparse_attention = True  # replay: top-k attention from the source's attention (paper)
     c.translator.k_attn = 32

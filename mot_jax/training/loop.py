@@ -90,7 +90,15 @@ def make_datasets(config, pair: Pair, rows: slice = slice(None)) -> Datasets:
 
     needed = max(config.eval_batches, config.translator.channels.search_eval_batches) + config.final_eval_batches
     return Datasets(
-        data.Batches(chunks("train"), config.batch_size, config.seed, **tokenizers, **lengths, rows=rows),
+        data.Batches(
+            chunks("train"),
+            config.batch_size,
+            config.seed,
+            **tokenizers,
+            **lengths,
+            rows=rows,
+            copy_fraction=config.data.copy_fraction,
+        ),  # fmt: skip
         data.validation_batches(
             chunks("validation"), config.batch_size, **tokenizers, **lengths, max_batches=needed, rows=rows
         ),
@@ -116,9 +124,16 @@ def make_mesh(config) -> jax.sharding.Mesh:
 
 def translation(config, channel_map, pair: Pair, **overrides):
     t = config.translator
+    num_target_layers = pair.target.config.num_layers
+    if t.native_bottom >= num_target_layers:
+        raise MotJaxError(
+            f"native_bottom={t.native_bottom} leaves none of the target's {num_target_layers} layers to translate "
+            "(that is native context); pass a smaller --config.translator.native_bottom."
+        )
     spec = TranslationSpec.build(
-        t.mode, channel_map, pair.source.config.num_layers, pair.target.config.num_layers,
-        sparse_attention=t.sparse_attention, k_attn=t.k_attn, dense_bottom=t.dense_bottom, rotary=t.rotary,
+        t.mode, channel_map, pair.source.config.num_layers, num_target_layers, native_bottom=t.native_bottom,
+        inputs=tuple(i.strip() for i in t.inputs.split(",") if i.strip()), sparse_attention=t.sparse_attention,
+        k_attn=t.k_attn, dense_bottom=t.dense_bottom, rotary=t.rotary,
     )  # fmt: skip
     kwargs = {k: t[k] for k in TRANSLATOR_KEYS if k in t} | overrides
     return spec, mixture_config(spec, pair.source, pair.target, **kwargs)
@@ -223,7 +238,8 @@ class Trainer:
     def _skip_sums_step(self, params, llm_states, batch):
         translator, source, target = self._models(params, llm_states)
         source_cache, _, native = objective.frozen_forwards(source, target, batch, topk=0)
-        return linear_skip_sums(translator, source, target, source_cache, batch.alignment, native, batch.context_mask)
+        return linear_skip_sums(translator, source, target, source_cache, batch.alignment, native, batch.context_mask,
+                                batch.context)  # fmt: skip
 
     # -- host side --
     def place(self, batch, micro: bool):
@@ -358,12 +374,17 @@ def resolve_channels(config, pair, datasets, mesh, workdir) -> channels.ChannelM
     )  # fmt: skip
 
 
-# TranslatorConfig fields added after runs were saved, with the value those runs had, so that they still resume
+# TranslatorConfig and TranslationSpec fields added after runs were saved, with the value those runs had, so that
+# they still resume
 ADDED_TRANSLATOR_FIELDS = {"kind": "mot", "linear_skip": False}
+ADDED_SPEC_FIELDS = {"native_bottom": 0, "inputs": ["source"]}
 
 
 def check_identity(saved: dict, current: dict, workdir: epath.Path):
-    saved = saved | {"translator": ADDED_TRANSLATOR_FIELDS | saved.get("translator", {})}
+    saved = saved | {
+        "translator": ADDED_TRANSLATOR_FIELDS | saved.get("translator", {}),
+        "spec": ADDED_SPEC_FIELDS | saved.get("spec", {}),
+    }
     differ = sorted(k for k in current if saved.get(k) != current[k])
     if differ:
         raise MotJaxError(

@@ -2,7 +2,8 @@
 
 loss = CE(prompt labels | translated cache) + lambda * (MSE_K + MSE_V) + router auxiliary losses, where the MSEs
 compare the target's cache built from the translation (replay: its own recomputed K/V; direct: the translated K/V)
-with its clean prefill of the same context, over the layers from the first window layer to the top (direct: all),
+with its clean prefill of the same context, over the layers from the first window layer to the top (direct: all but
+the target's own `native_bottom` layers),
 context tokens only, mean over every element. Only the translator receives gradients.
 
 Also reported, not in the loss: `unexplained_k` / `unexplained_v`, each layer's MSE over that layer's native variance in
@@ -71,7 +72,7 @@ def context_correction(translator, source, target, batch, frozen, weights: LossW
         source_topk, capacity=context_length + prompt_length,
     )  # fmt: skip
     ce = prompt_cross_entropy(target, cache, batch)
-    first = 0 if spec.mode == "direct" else min(spec.target_layers)
+    first = spec.native_bottom if spec.mode == "direct" else min(spec.target_layers)  # the layers it writes
     context = lambda kv: kv[first:, :, :, :context_length]  # noqa: E731
     errors = {}
     for name, got, want in (("k", cache.k, native.k), ("v", cache.v, native.v)):

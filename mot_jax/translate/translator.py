@@ -5,6 +5,14 @@
   dense, or (paper) sparse top-k with key indices from the source's head-averaged attention, mapped across layers
   (channel-map interpolation) and tokenizers (hard alignment maps), the bottom layers dense.
 - `direct`: the window is every target layer; the translated K/V are the cache, the target never reads the context.
+  With `native_bottom=B` (ours, a dial between direct and native) the target runs its own layers `0..B-1` over the
+  context exactly and the translator writes layers `B..L-1`: `B=0` is direct, `B=L` native context.
+
+What the translator reads per token (`inputs`): the window's aligned source K (or V) vectors (`source`, the paper),
+and ours, the target's own input embedding of the token (`embeddings`: the token identity extractive answers copy,
+at the cost of a lookup) and, for `B>0`, its residual stream before layer `B` (`hidden`). The target-side features
+are RMS-normalised per token and shared by every window layer. Without `source` the translator is the source-free
+control: the target's own bottom layers and embeddings alone predict its upper K/V.
 
 Two rules for a context's first token, in both modes (not in the reference): its K/V are the target's own, computed
 from that token alone (it attends only to itself, so nothing needs translating; for Gemma it is the BOS, the
@@ -38,6 +46,7 @@ from mot_jax.translate.mixture import MixtureOfTranslators
 from mot_jax.translate.projector import Projector
 
 MODES = ("replay", "direct")
+INPUTS = ("source", "embeddings", "hidden")  # what the translator may read per token (TranslationSpec.inputs)
 KINDS = {"mot": MixtureOfTranslators, "projector": Projector}  # TranslatorConfig.kind -> the K and V module
 alignment_lib.register_pytree()  # alignments enter jitted code here
 
@@ -54,6 +63,12 @@ class TranslationSpec:
     k_attn: int = 32
     dense_bottom: int = 2  # replay: layers below this stay dense
     rotary: bool = False  # un-rotate source keys, translate, re-rotate at target positions
+    native_bottom: int = 0  # direct: the target's own layers below this run over the context (their K/V native)
+    inputs: tuple = ("source",)  # per token, a subset of INPUTS
+
+    @property
+    def reads_source(self) -> bool:
+        return "source" in self.inputs
 
     @property
     def attention_topk(self) -> int:
@@ -61,13 +76,28 @@ class TranslationSpec:
         return self.k_attn if self.mode == "replay" and self.sparse_attention else 0
 
     @classmethod
-    def build(cls, mode, channel_map, num_source_layers, num_target_layers, **kwargs):
+    def build(cls, mode, channel_map, num_source_layers, num_target_layers, native_bottom=0, inputs=("source",),
+              **kwargs):  # fmt: skip
         if mode not in MODES:
             raise MotJaxError(f"Unknown translation mode {mode!r}; use one of {', '.join(MODES)}.")
+        inputs = tuple(inputs)
+        if not inputs or any(i not in INPUTS for i in inputs) or len(set(inputs)) < len(inputs):
+            raise MotJaxError(f"Bad translator inputs {inputs!r}; pass a comma list of {', '.join(INPUTS)}.")
+        if native_bottom and mode != "direct":
+            raise MotJaxError("native_bottom applies to mode='direct' only; set it to 0 for replay.")
+        if not 0 <= native_bottom <= num_target_layers:
+            raise MotJaxError(
+                f"native_bottom={native_bottom} is outside 0..{num_target_layers} (the target's layers); pass one in "
+                "that range."
+            )
+        if "hidden" in inputs and not native_bottom:
+            raise MotJaxError("The 'hidden' input is the target's residual stream after its native bottom layers; "
+                              "set native_bottom > 0 or drop it.")  # fmt: skip
+        kwargs |= dict(native_bottom=int(native_bottom), inputs=inputs)
         if mode == "direct":
-            source = tuple(int(s) for s in channels.full_depth(num_source_layers, num_target_layers))
-            target = tuple(range(num_target_layers))
-            layer_map = source
+            layer_map = tuple(int(s) for s in channels.full_depth(num_source_layers, num_target_layers))
+            source = layer_map[native_bottom:]
+            target = tuple(range(native_bottom, num_target_layers))
         else:
             channel_map.validate(num_source_layers, num_target_layers)
             source, target = tuple(channel_map.source), tuple(channel_map.target)
@@ -77,8 +107,9 @@ class TranslationSpec:
 
 def mixture_config(spec: TranslationSpec, source: CausalLM, target: CausalLM, **kwargs) -> TranslatorConfig:
     s, t = source.config, target.config
+    target_features = sum(i != "source" for i in spec.inputs) * t.hidden_size
     return TranslatorConfig(
-        source_width=s.num_kv_heads * s.head_dim,
+        source_width=s.num_kv_heads * s.head_dim * spec.reads_source + target_features,
         target_width=t.num_kv_heads * t.head_dim,
         window=len(spec.target_layers),
         **kwargs,
@@ -108,6 +139,8 @@ class KVTranslator(nnx.Module):
         if cfg.kind not in KINDS:
             raise MotJaxError(f"Unknown translator kind {cfg.kind!r}; use one of {', '.join(KINDS)}.")
         self.spec, self.cfg = spec, cfg
+        if not spec.target_layers:  # native_bottom = L: nothing to translate (native context), no parameters
+            return
         self.key = KINDS[cfg.kind](cfg, rngs=rngs, dtype=dtype)
         self.value = KINDS[cfg.kind](cfg, rngs=rngs, dtype=dtype)
         if cfg.linear_skip:
@@ -156,19 +189,52 @@ def rotary_tables(spec: TranslationSpec, source: CausalLM, target: CausalLM):
     return None, None
 
 
-def window_inputs(spec: TranslationSpec, source: CausalLM, target: CausalLM, source_cache, alignment):
-    """The translator's inputs: the window's source K (un-rotated for rotary specs) and V on the target grid, each
-    [B, T, W, Ks * ds]."""
-    source_freq, _ = rotary_tables(spec, source, target)
-    k = window_block(source_cache.k, spec.source_layers, source_cache.positions, source_freq)
-    v = window_block(source_cache.v, spec.source_layers)
-    return alignment_lib.resample(k, alignment.weights), alignment_lib.resample(v, alignment.weights)
+def rms_normalized(x):
+    x = x.astype(jnp.float32)
+    return x * jax.lax.rsqrt(jnp.mean(jnp.square(x), -1, keepdims=True) + 1e-6)
 
 
-def translate_window(translator: KVTranslator, source: CausalLM, target: CausalLM, source_cache, alignment, mask):
+def run_native_bottom(spec: TranslationSpec, target: CausalLM, target_ids, mask, cache):
+    """The target's own layers `0..native_bottom-1` over the context into `cache` (empty), and the target-side
+    features the translator reads ([B, T, F], None when it reads the source alone)."""
+    hidden = None
+    if spec.native_bottom:
+        hidden, cache, _ = target.run_layers(target_ids, mask, cache=cache, fresh=True, stop=spec.native_bottom)
+    else:
+        cache = cache.append_slots(target_positions(mask), mask)
+    features = []
+    if "embeddings" in spec.inputs:
+        features.append(rms_normalized(target.embed(target_ids, target_positions(mask))))
+    if "hidden" in spec.inputs:
+        features.append(rms_normalized(hidden))
+    return cache, (jnp.concatenate(features, -1) if features else None)
+
+
+def window_inputs(spec: TranslationSpec, source: CausalLM, target: CausalLM, source_cache, alignment, features=None):
+    """The translator's inputs, each [B, T, W, F]: the window's source K (un-rotated for rotary specs) and V on the
+    target grid (`spec.reads_source`), then the target-side `features` [B, T, Ft] of every window layer."""
+    parts_k, parts_v = [], []
+    if spec.reads_source:
+        source_freq, _ = rotary_tables(spec, source, target)
+        k = window_block(source_cache.k, spec.source_layers, source_cache.positions, source_freq)
+        v = window_block(source_cache.v, spec.source_layers)
+        parts_k.append(alignment_lib.resample(k, alignment.weights))
+        parts_v.append(alignment_lib.resample(v, alignment.weights))
+    if features is not None:
+        shared = jnp.broadcast_to(
+            features[:, :, None], (*features.shape[:2], len(spec.target_layers), features.shape[-1])
+        )
+        dtype = parts_k[0].dtype if parts_k else shared.dtype
+        parts_k.append(shared.astype(dtype))
+        parts_v.append(shared.astype(dtype))
+    return jnp.concatenate(parts_k, -1), jnp.concatenate(parts_v, -1)
+
+
+def translate_window(translator: KVTranslator, source: CausalLM, target: CausalLM, source_cache, alignment, mask,
+                     features=None):  # fmt: skip
     """The translated window K/V, each [W, B, Kt, T, dt], and the mixtures' aux outputs {"key": .., "value": ..}."""
     spec, t = translator.spec, target.config
-    k, v, aux = translator(*window_inputs(spec, source, target, source_cache, alignment), mask)
+    k, v, aux = translator(*window_inputs(spec, source, target, source_cache, alignment, features), mask)
     heads = lambda y: y.reshape(*y.shape[:3], t.num_kv_heads, t.head_dim)  # noqa: E731
     k, v = heads(k), heads(v)  # [B, T, W, Kt, dt]
     _, target_freq = rotary_tables(spec, source, target)
@@ -180,13 +246,15 @@ def translate_window(translator: KVTranslator, source: CausalLM, target: CausalL
 
 
 def linear_skip_sums(translator: KVTranslator, source: CausalLM, target: CausalLM, source_cache, alignment, native,
-                     mask):  # fmt: skip
+                     mask, target_ids):  # fmt: skip
     """Sufficient statistics of one batch for `solve_linear_skip`, per "key" and "value": over the valid tokens except
     each row's first (whose K/V are the target's own), the count `n`, sums `x` [W, ds], `r` [W, dt], `rr` [W] and
-    products `xx` [W, ds, ds], `xr` [W, ds, dt], where x are the aligned source window vectors and r the target's
-    native K/V (`native`, its cache of the same context; keys un-rotated for rotary specs) less the mixture's output."""
+    products `xx` [W, ds, ds], `xr` [W, ds, dt], where x are the translator's inputs (`window_inputs`) and r the
+    target's native K/V (`native`, its cache of the context `target_ids`; keys un-rotated for rotary specs) less the
+    mixture's output."""
     spec = translator.spec
-    inputs = window_inputs(spec, source, target, source_cache, alignment)
+    _, features = run_native_bottom(spec, target, target_ids, mask, target.init_cache(*target_ids.shape))
+    inputs = window_inputs(spec, source, target, source_cache, alignment, features)
     _, target_freq = rotary_tables(spec, source, target)
     wanted = (
         window_block(native.k, spec.target_layers, target_positions(mask), target_freq),
@@ -247,15 +315,20 @@ def translate(translator, source, target, source_cache, alignment, target_ids, t
     spec = translator.spec
     batch, length = target_ids.shape
     mask = target_mask.astype(bool)
-    k, v, aux = translate_window(translator, source, target, source_cache, alignment, mask)
+    cache = target.init_cache(batch, capacity or length)
+    if spec.mode == "direct":
+        cache, features = run_native_bottom(spec, target, target_ids, mask, cache)
+        if not spec.target_layers:  # B = L: the target read the whole context itself
+            return cache, {}
+    else:
+        features = None
+    k, v, aux = translate_window(translator, source, target, source_cache, alignment, mask, features)
     first = first_valid_index(mask)
     own_k, own_v = first_token_kv(target, target_ids, first, spec.target_layers)
     is_first = (jnp.arange(length) == first[:, None])[None, :, None, :, None]  # [1, B, 1, T, 1]
     k, v = jnp.where(is_first, own_k, k), jnp.where(is_first, own_v, v)
-    cache = target.init_cache(batch, capacity or length)
     if spec.mode == "direct":
-        cache = cache.append_slots(target_positions(mask), mask)
-        at = (0, 0, 0, 0, 0)
+        at = (spec.native_bottom, 0, 0, 0, 0)
         return cache.replace(
             k=jax.lax.dynamic_update_slice(cache.k, k, at),
             v=jax.lax.dynamic_update_slice(cache.v, v, at),

@@ -1,0 +1,162 @@
+"""The dial between direct and native (`native_bottom`) and the translator's target-side inputs (`inputs`)."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from hf_reference import CONFIGS, padded_batch, positions_for, run_reference, save_tiny
+
+from mot_jax.errors import MotJaxError
+from mot_jax.models.base import prefill
+from mot_jax.models.loading import load_model
+from mot_jax.translate import channels
+from mot_jax.translate.align import align_batch, identity_alignment
+from mot_jax.translate.translator import (
+    KVTranslator,
+    TranslationSpec,
+    mixture_config,
+    source_prefill,
+    translate,
+)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """A 3-layer Qwen2 source, a 3-layer Gemma-3 target (same tiny vocabulary) and the target's transformers model."""
+    out = []
+    for family, name in [("qwen2", "untied_sliding"), ("gemma3", "sliding_softcap")]:
+        path = tmp_path_factory.mktemp(family)
+        reference = save_tiny(CONFIGS[family][name](), path)
+        out.append(load_model(str(path))[0])
+    return (*out, reference)
+
+
+def make(source, target, native_bottom, inputs=("source",), **cfg):
+    ls, lt = source.config.num_layers, target.config.num_layers
+    spec = TranslationSpec.build("direct", None, ls, lt, native_bottom=native_bottom, inputs=inputs)
+    cfg = dict(dim=16, heads=2, depth=1, num_experts=2) | cfg
+    return KVTranslator(spec, mixture_config(spec, source, target, **cfg), rngs=nnx.Rngs(0))
+
+
+def run(translator, source, target, ids, mask, source_ids=None):
+    source_ids = ids if source_ids is None else source_ids
+    source_cache, _ = source_prefill(source, source_ids, mask)
+    alignment = identity_alignment(*ids.shape, np.asarray(mask))
+    return translate(translator, source, target, source_cache, alignment, ids, mask, capacity=ids.shape[1] + 4)[0]
+
+
+@pytest.fixture(scope="module")
+def batch(models):
+    ids, mask = padded_batch(models[0].config.vocab_size)
+    return jnp.asarray(ids), jnp.asarray(mask, bool)
+
+
+def test_all_layers_native_is_the_native_cache(models, batch):
+    """B = L: the cache equals the target's own prefill of the context, bit for bit, and so does the reading of the
+    next tokens."""
+    source, target, _ = models
+    ids, mask = batch
+    cache = run(make(source, target, target.config.num_layers, ("source",)), source, target, ids, mask)
+    _, native = prefill(target, ids, mask, capacity=ids.shape[1] + 4)  # what native context evaluates
+    for got, want in ((cache.k, native.k), (cache.v, native.v), (cache.positions, native.positions)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    suffix = jnp.asarray([[5, 6], [7, 8], [9, 10]])
+    np.testing.assert_array_equal(
+        np.asarray(target(suffix, cache=cache)[0]), np.asarray(target(suffix, cache=native)[0])
+    )
+
+
+def test_bottom_layers_are_native_and_the_rest_translated(models, batch, bottom=2):
+    """Layers below B hold the target's own K/V (transformers' cache), layers from B the translator's output; the
+    'hidden' input is the target's residual stream before layer B (transformers' hidden_states[B])."""
+    source, target, reference = models
+    ids, mask = batch
+    translator = make(source, target, bottom, ("source", "embeddings", "hidden"))
+    assert translator.spec.target_layers == tuple(range(bottom, 3))
+    cache = run(translator, source, target, ids, mask)
+    _, want_k, want_v = run_reference(reference, np.asarray(ids), np.asarray(mask, np.int64))
+    valid = np.asarray(mask)
+    for got, want in ((cache.k, want_k), (cache.v, want_v)):
+        got = np.asarray(got[:bottom, :, :, : ids.shape[1]]).transpose(1, 3, 0, 2, 4)[valid]
+        np.testing.assert_allclose(got, want[:bottom].transpose(1, 3, 0, 2, 4)[valid], atol=1e-4, rtol=1e-4)
+    with torch.no_grad():
+        out = reference(
+            input_ids=torch.tensor(np.asarray(ids)),
+            attention_mask=torch.tensor(np.asarray(mask, np.int64)),
+            position_ids=torch.tensor(positions_for(np.asarray(mask))),
+            output_hidden_states=True,
+        )
+    hidden, _, _ = target.run_layers(ids, mask, stop=bottom)
+    np.testing.assert_allclose(
+        np.asarray(hidden)[valid], out.hidden_states[bottom].numpy()[valid], atol=1e-4, rtol=1e-4
+    )
+
+
+def test_source_free_translation_ignores_the_source_and_the_source_reading_one_does_not(models, batch):
+    source, target, _ = models
+    ids, mask = batch
+    other = (ids * 7 + 3) % source.config.vocab_size
+    for inputs, same in ((("embeddings", "hidden"), True), (("source", "embeddings"), False)):
+        translator = make(source, target, 1, inputs)
+        a, b = (run(translator, source, target, ids, mask, s) for s in (ids, other))
+        assert np.array_equal(np.asarray(a.k), np.asarray(b.k)) == same, inputs
+        assert np.array_equal(np.asarray(a.k[:1]), np.asarray(b.k[:1]))  # the native bottom layer never reads it
+
+
+def test_the_embeddings_input_is_the_target_token_identity(models, batch):
+    """With no source, changing one context token changes the translated K/V at that token (position 5 of row 0
+    attends nothing later: a causal translator) and nowhere before it."""
+    source, target, _ = models
+    ids, mask = batch
+    translator = make(source, target, 0, ("embeddings",), causal=True, num_experts=1, top_k=1)
+    changed = ids.at[0, 5].set((ids[0, 5] + 1) % source.config.vocab_size)
+    a, b = (run(translator, source, target, x, mask) for x in (ids, changed))
+    differs = np.abs(np.asarray(a.k - b.k))[:, 0].max(axis=(0, 1, 3))  # per token of row 0
+    assert differs[5] > 0 and not differs[:5].any()
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(mode="replay", native_bottom=1), "direct.* only"),
+        (dict(native_bottom=4), "outside 0..3"),
+        (dict(inputs=("hidden",)), "residual stream"),
+        (dict(inputs=("source", "tokens")), "Bad translator inputs"),
+        (dict(inputs=()), "Bad translator inputs"),
+    ],
+)
+def test_bad_dial_settings_are_refused_in_one_line(kwargs, message):
+    kwargs = dict(mode="direct") | kwargs
+    mode = kwargs.pop("mode")
+    channel_map = channels.terminal(3, 3, 0.67) if mode == "replay" else None
+    with pytest.raises(MotJaxError, match=message):
+        TranslationSpec.build(mode, channel_map, 3, 3, **kwargs)
+
+
+@pytest.mark.slow  # loads a tiny pair and builds an evaluation batch
+def test_the_source_free_method_runs_no_source_and_hands_nothing_over():
+    """In evaluation a source-free translator gets no source cache at all (so none can leak in) and hands over 0
+    bytes; its cache equals the same translator's given the source cache."""
+    from mot_jax.evals import synthetic
+    from mot_jax.evals.methods import Stopwatch, Translated
+    from mot_jax.evals.prompts import Settings, batches
+    from mot_jax.training import loop
+    from mot_jax.training.config import base, tiny
+
+    config = base()
+    tiny(config, "llama", "gemma3")
+    pair = loop.load_pair(config)
+    translator = make(pair.source, pair.target, 1, ("embeddings", "hidden"))
+    method = Translated("free", translator, "-", 0)
+    contexts, _, _ = next(batches(pair, synthetic.examples("extractive_qa", 2, seed=3), Settings(batch_size=2)))
+    watch = Stopwatch()
+    cache, handed = method.build(pair, contexts, contexts.length, watch)
+    assert not handed.any() and "source_prefill" not in watch.stages
+    source_ids, source_mask, alignment = align_batch(
+        pair.target_tokenizer, pair.source_tokenizer, contexts.ids, contexts.mask
+    )
+    source_cache, _ = source_prefill(pair.source, jnp.asarray(source_ids), jnp.asarray(source_mask))
+    want, _ = translate(translator, pair.source, pair.target, source_cache, alignment, jnp.asarray(contexts.ids),
+                        jnp.asarray(contexts.mask), capacity=contexts.length)  # fmt: skip
+    np.testing.assert_allclose(np.asarray(cache.k), np.asarray(want.k), atol=1e-6, rtol=0)
