@@ -329,3 +329,38 @@ def test_docs_prose_holds_a_million_tokens():
     for name in ["gemma3-270m", "smollm2-135m"]:
         tokens = sum(len(e.ids) for e in load_tokenizer(name).encode_batch(texts, add_special_tokens=False))
         assert tokens >= 1_000_000, name
+
+
+def test_retrieval_rows_repeat_a_span_of_their_own_context(chunks, target, source):
+    """With copy_fraction, the chosen rows' prompt and labels are consecutive tokens of their own context (after its
+    first token), the other rows are the plain chunks, the draw depends on the position alone, and the context and
+    source side are untouched."""
+    split = dict(prefix_tokens=24, source_length=2 * S)  # a 23-token context, a 9-token prompt and its labels
+    plain = data.Batches(chunks.chunks, B, 7, source, target, **split)
+    copied = [data.Batches(chunks.chunks, B, 7, source, target, **split, copy_fraction=0.5) for _ in range(2)]
+    kinds = []
+    for position in range(12):
+        want, got = plain.batch(position), copied[0].batch(position)
+        assert_batches_equal(got, copied[1].batch(position))
+        for name in ("context", "source_ids", "label_mask"):
+            np.testing.assert_array_equal(getattr(got, name), getattr(want, name))
+        for b in range(B):
+            if np.array_equal(got.prompt[b], want.prompt[b]):
+                kinds.append(False)
+                np.testing.assert_array_equal(got.labels[b], want.labels[b])
+                continue
+            kinds.append(True)
+            stream = np.concatenate([got.prompt[b], got.labels[b][-1:]])
+            starts = [s for s in range(1, 23) if np.array_equal(got.context[b, s : s + len(stream)], stream)]
+            assert starts, (position, b)
+            np.testing.assert_array_equal(got.labels[b], stream[1:])
+    assert 0.25 < np.mean(kinds) < 0.75
+    everything = data.Batches(chunks.chunks, B, 7, source, target, **split, copy_fraction=1.0).batch(3)
+    assert not any(np.array_equal(everything.prompt[b], plain.batch(3).prompt[b]) for b in range(B))
+
+
+def test_retrieval_rows_need_a_context_longer_than_the_prompt(chunks, target, source):
+    with pytest.raises(MotJaxError, match="must be longer"):
+        data.Batches(chunks.chunks, B, 7, source, target, S, prefix_tokens=T // 2, copy_fraction=0.5)
+    with pytest.raises(MotJaxError, match="not a fraction"):
+        data.Batches(chunks, B, 7, source, target, S, copy_fraction=1.5)

@@ -8,6 +8,10 @@ has one), prompt = x[P-1:T-1], labels = x[P:T]. The chunk table of a split is co
 keyed by everything it depends on.
 
 `Batches.batch(position)` is a pure function of one integer, so a checkpoint stores only the stream position.
+
+Retrieval rows (ours, `copy_fraction`): in that share of a training batch's rows the prompt repeats a span of the
+row's own context (from a random start after its first token), so its labels can only be predicted by reading the
+exact tokens of the context, as an extractive answer is. Built from the corpus chunks alone, by this one rule.
 """
 
 from __future__ import annotations
@@ -236,6 +240,18 @@ def make_batch(rows, prefix_tokens: int, source_tokenizer, target_tokenizer, sou
     return Batch(context, context_mask, prompt, labels, np.ones(labels.shape, bool), source_ids, source_mask, alignment)
 
 
+def copy_spans(rows, prefix_tokens: int, chosen, rng):
+    """Chunk rows [B, T] with each `chosen` row's prompt and labels (tokens P-1..T-1) replaced by a span of its
+    context (tokens 1..P-2) starting at a random token after the first, so that prompt = context[s : s + Tp] and
+    labels = context[s + 1 : s + Tp + 1]."""
+    rows = np.array(rows)
+    span = rows.shape[1] - prefix_tokens + 1
+    starts = rng.integers(1, prefix_tokens - span, size=len(rows))  # the span ends inside the context
+    for i in np.flatnonzero(chosen):
+        rows[i, prefix_tokens - 1 :] = rows[i, starts[i] : starts[i] + span]
+    return rows
+
+
 def _prefix_tokens(chunks, prefix_tokens: int | None) -> int:
     return prefix_tokens or getattr(chunks, "prefix_tokens", None) or DEFAULT_PREFIX_TOKENS
 
@@ -245,7 +261,8 @@ class Batches:
     takes stream items p*B .. p*B+B-1 (crossing epochs), so `batch(p)` depends on p alone.
 
     `chunks` is a TextChunks (whose prefix_tokens is then the default) or an [N, T] array. `rows` (a slice of
-    range(batch_size)) keeps only those rows of each batch: a process's share in a multi-process run.
+    range(batch_size)) keeps only those rows of each batch: a process's share in a multi-process run. A
+    `copy_fraction` of the rows (drawn per position) become retrieval rows (`copy_spans`).
     """
 
     def __init__(
@@ -259,6 +276,7 @@ class Batches:
         *,
         prefix_tokens: int | None = None,
         rows: slice = slice(None),
+        copy_fraction: float = 0.0,
     ):
         self.chunks = np.asarray(chunks)
         if self.chunks.ndim != 2 or not len(self.chunks):
@@ -270,6 +288,15 @@ class Batches:
             )
         self.batch_size, self.seed, self.rows = batch_size, seed, rows
         self.prefix_tokens = _prefix_tokens(chunks, prefix_tokens)
+        if not 0.0 <= copy_fraction <= 1.0:
+            raise MotJaxError(f"copy_fraction={copy_fraction} is not a fraction; pass a value in [0, 1].")
+        if copy_fraction and 2 * self.prefix_tokens - 1 < self.chunks.shape[1] + 2:
+            raise MotJaxError(
+                f"Retrieval rows copy the {self.chunks.shape[1] - self.prefix_tokens + 1}-token prompt from the "
+                f"{self.prefix_tokens - 1}-token context, which must be longer; raise data.prefix_tokens or set "
+                "data.copy_fraction=0."
+            )
+        self.copy_fraction = copy_fraction
         self.source_tokenizer, self.target_tokenizer = source_tokenizer, target_tokenizer
         self.source_length = source_length
         self._permutations: dict[int, np.ndarray] = {}
@@ -298,8 +325,12 @@ class Batches:
         return np.array([self._permutation(int(e))[o] for e, o in zip(epochs, offsets)])
 
     def batch(self, position: int) -> Batch:
+        rows = self.chunks[self.indices(position)]
+        if self.copy_fraction:
+            rng = np.random.default_rng([self.seed, position, 1])
+            rows = copy_spans(rows, self.prefix_tokens, rng.random(len(rows)) < self.copy_fraction, rng)
         return make_batch(
-            self.chunks[self.indices(position)[self.rows]],
+            rows[self.rows],
             self.prefix_tokens,
             self.source_tokenizer,
             self.target_tokenizer,
