@@ -160,3 +160,13 @@ def test_the_source_free_method_runs_no_source_and_hands_nothing_over():
     want, _ = translate(translator, pair.source, pair.target, source_cache, alignment, jnp.asarray(contexts.ids),
                         jnp.asarray(contexts.mask), capacity=contexts.length)  # fmt: skip
     np.testing.assert_allclose(np.asarray(cache.k), np.asarray(want.k), atol=1e-6, rtol=0)
+
+
+def test_the_torch_export_refuses_a_translator_reading_the_target(models):
+    from mot_jax.export.weights import translator_config
+
+    source, target, _ = models
+    assert translator_config(make(source, target, 0), source, target)["window"] == 3  # the paper's inputs export
+    for bottom, inputs in ((1, ("source",)), (0, ("source", "embeddings"))):
+        with pytest.raises(MotJaxError, match="evaluate it in JAX"):
+            translator_config(make(source, target, bottom, inputs), source, target)
