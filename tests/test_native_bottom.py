@@ -1,5 +1,6 @@
 """The dial between direct and native (`native_bottom`) and the translator's target-side inputs (`inputs`)."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -16,8 +17,10 @@ from mot_jax.translate.translator import (
     KVTranslator,
     TranslationSpec,
     mixture_config,
+    run_native_bottom,
     source_prefill,
     translate,
+    window_inputs,
 )
 
 
@@ -168,5 +171,31 @@ def test_the_torch_export_refuses_a_translator_reading_the_target(models):
     source, target, _ = models
     assert translator_config(make(source, target, 0), source, target)["window"] == 3  # the paper's inputs export
     for bottom, inputs in ((1, ("source",)), (0, ("source", "embeddings"))):
-        with pytest.raises(MotJaxError, match="evaluate it in JAX"):
+        with pytest.raises(MotJaxError, match="evaluate this translator in JAX"):
             translator_config(make(source, target, bottom, inputs), source, target)
+
+
+def test_a_linear_translator_is_its_skip_alone(models, batch):
+    """kind='linear': the translated K/V are the linear skip's output, the same as a mixture whose own output is zero;
+    it needs the skip and does not export."""
+    from mot_jax.export.weights import translator_config
+
+    source, target, _ = models
+    ids, mask = batch
+    linear = make(source, target, 1, ("source", "hidden"), kind="linear", linear_skip=True, output_activation="none")
+    assert sorted(nnx.state(linear, nnx.Param).to_pure_dict()) == ["key_skip", "value_skip"]
+    for skip in (linear.key_skip, linear.value_skip):
+        skip.kernel.set_value(jax.random.normal(jax.random.key(0), skip.kernel.shape))
+    got = run(linear, source, target, ids, mask)
+    features = run_native_bottom(linear.spec, target, ids, mask, target.init_cache(*ids.shape))[1]
+    x = window_inputs(linear.spec, source, target, source_prefill(source, ids, mask)[0],
+                      identity_alignment(*ids.shape, np.asarray(mask)), features)[0]  # fmt: skip
+    want = linear.key_skip(x).reshape(*x.shape[:3], target.config.num_kv_heads, target.config.head_dim)
+    rows = np.asarray(mask).copy()
+    rows[np.arange(len(rows)), np.argmax(rows, 1)] = False  # each row's first token is the target's own
+    got_k = np.asarray(got.k[1:, :, :, : ids.shape[1]]).transpose(1, 3, 0, 2, 4)
+    np.testing.assert_allclose(got_k[rows], np.asarray(want)[rows], atol=1e-4, rtol=1e-4)
+    with pytest.raises(MotJaxError, match="linear_skip=True"):
+        make(source, target, 1, kind="linear")
+    with pytest.raises(MotJaxError, match="evaluate this translator in JAX"):
+        translator_config(linear, source, target)

@@ -224,6 +224,8 @@ def method_name(config) -> str:
     t = config.translator
     if t.get("kind", "mot") == "projector":
         name = f"C2C-Project ({t.mode})"
+    elif t.get("kind") == "linear":
+        name = f"linear translator ({t.mode})"
     else:
         name = f"single translator ({t.mode})" if t.num_experts == 1 else f"MoT {t.mode}"
     if "source" not in t.get("inputs", "source").split(","):

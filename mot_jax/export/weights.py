@@ -53,10 +53,10 @@ def translator_config(translator, source, target) -> dict:
     """JSON-serialisable: the TranslatorConfig and TranslationSpec fields and the two models' cache shapes."""
     lists = lambda d: {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}  # noqa: E731
     spec = dataclasses.asdict(translator.spec)
-    if spec.pop("native_bottom") or tuple(spec.pop("inputs")) != ("source",):
+    if spec.pop("native_bottom") or tuple(spec.pop("inputs")) != ("source",) or translator.cfg.kind == "linear":
         raise MotJaxError(
-            "The PyTorch export covers translators that read the source alone (native_bottom=0, inputs='source'); "
-            "this one reads the target's own layers or embeddings, so evaluate it in JAX."
+            "The PyTorch export covers mixtures and projectors that read the source alone (native_bottom=0, "
+            "inputs='source'); evaluate this translator in JAX."
         )
     out = {"format": FORMAT, "format_version": 1}
     out |= lists(dataclasses.asdict(translator.cfg)) | lists(spec)

@@ -40,7 +40,8 @@ def base() -> ml_collections.ConfigDict:
     c.translator.channels.search_eval_batches = 4
     # mot (the mixture of translators) | projector (the C2C-Project baseline: per window layer, LN -> Linear ->
     # GELU -> Linear on every token, hidden width max(dim, target width); reads only dim and output_activation,
-    # and the reference's c2c-pr has output_activation="none"; mode="direct" projects every target layer)
+    # and the reference's c2c-pr has output_activation="none"; mode="direct" projects every target layer) | linear
+    # (ours: the least-squares-started linear skip alone, no mixture; needs linear_skip=True)
     c.translator.kind = "mot"
     c.translator.dim = 1024
     c.translator.heads = 16

@@ -32,7 +32,7 @@ class TranslatorConfig:
     source_width: int  # source kv_heads * head_dim
     target_width: int  # target kv_heads * head_dim
     window: int  # W: window layers translated together
-    kind: str = "mot"  # "mot" (the mixture) | "projector" (the C2C-Project baseline, translate/projector.py)
+    kind: str = "mot"  # "mot" (the mixture) | "projector" (the C2C-Project baseline) | "linear" (linear skip alone)
     dim: int = 1024  # projector: the hidden width is max(dim, target_width)
     heads: int = 16
     depth: int = 2  # R stages of W un-shared cross-attention blocks

@@ -47,7 +47,20 @@ from mot_jax.translate.projector import Projector
 
 MODES = ("replay", "direct")
 INPUTS = ("source", "embeddings", "hidden")  # what the translator may read per token (TranslationSpec.inputs)
-KINDS = {"mot": MixtureOfTranslators, "projector": Projector}  # TranslatorConfig.kind -> the K and V module
+
+
+class NoMixture(nnx.Module):
+    """`kind="linear"`: no mixture beside the linear skip, which is then the whole translator (least-squares
+    started, then trained): the cheapest translator."""
+
+    def __init__(self, cfg: TranslatorConfig, *, rngs, dtype=jnp.float32):
+        self.width = cfg.target_width
+
+    def __call__(self, x, mask):
+        return jnp.zeros((*x.shape[:-1], self.width), x.dtype), {}
+
+
+KINDS = {"mot": MixtureOfTranslators, "projector": Projector, "linear": NoMixture}  # TranslatorConfig.kind -> module
 alignment_lib.register_pytree()  # alignments enter jitted code here
 
 
@@ -138,6 +151,8 @@ class KVTranslator(nnx.Module):
             raise MotJaxError("rotary=True needs output_activation='none' (rotated keys take any sign).")
         if cfg.kind not in KINDS:
             raise MotJaxError(f"Unknown translator kind {cfg.kind!r}; use one of {', '.join(KINDS)}.")
+        if cfg.kind == "linear" and not cfg.linear_skip:
+            raise MotJaxError("kind='linear' is the linear skip alone; set linear_skip=True.")
         self.spec, self.cfg = spec, cfg
         if not spec.target_layers:  # native_bottom = L: nothing to translate (native context), no parameters
             return
