@@ -19,7 +19,7 @@ def log_info_quietly():
     """absl INFO logs, without Orbax's INFO lines (it logs every save and restore step) or its tracebacks (the error
     reaches the caller, which reports it in one line); its warnings stay."""
     logging.set_verbosity(logging.INFO)
-    quiet = lambda r: "/orbax/" in r.pathname and (r.levelno < std_logging.WARNING or r.exc_info)  # noqa: E731
+    quiet = lambda r: "/orbax/" in r.pathname and (r.levelno < std_logging.WARNING or r.exc_info)
     logging.get_absl_handler().addFilter(lambda r: not quiet(r))
 
 

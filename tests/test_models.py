@@ -32,7 +32,7 @@ def test_logits_and_kv_match_transformers_on_padded_batch(pair):
     valid = mask.astype(bool)
     np.testing.assert_allclose(np.asarray(logits)[valid], want_logits[valid], atol=ATOL, rtol=0)
     # cache [L, B, K, S, d] -> [B, S, L, K, d] so the padding mask selects real tokens
-    to_tokens = lambda a: np.asarray(a).transpose(1, 3, 0, 2, 4)[valid]  # noqa: E731
+    to_tokens = lambda a: np.asarray(a).transpose(1, 3, 0, 2, 4)[valid]
     np.testing.assert_allclose(to_tokens(cache.k), to_tokens(want_k), atol=ATOL, rtol=0)
     np.testing.assert_allclose(to_tokens(cache.v), to_tokens(want_v), atol=ATOL, rtol=0)
 

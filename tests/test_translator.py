@@ -157,7 +157,7 @@ def test_sharded_translation_equals_unsharded(models):
     mesh = sharding.make_mesh(data=2, expert=2, devices=jax.devices()[:4])
     sharded = sharding.shard(make_translator(source, target, mode="direct"), mesh)
     fsdp_target = sharding.shard(nnx.clone(target), mesh, sharding.FSDP_RULES)
-    put = lambda a: jax.device_put(a, sharding.batch_sharding(mesh, a.ndim))  # noqa: E731
+    put = lambda a: jax.device_put(a, sharding.batch_sharding(mesh, a.ndim))
     got = step(sharded, source, fsdp_target, put(ids), put(mask), alignment)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
 

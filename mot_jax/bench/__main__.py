@@ -99,7 +99,7 @@ def make_plan(fail) -> Plan:
     if f.quick:
         return dataclasses.replace(QUICK, workdirs=tuple(f.workdirs))
     try:
-        ints = lambda values: tuple(int(v) for v in values)  # noqa: E731
+        ints = lambda values: tuple(int(v) for v in values)
         batches, lengths = ints(f.batches), ints(f.lengths)
     except ValueError:
         fail("--batches and --lengths take comma lists of integers.")

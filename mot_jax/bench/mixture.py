@@ -31,7 +31,7 @@ def bench_mixture(plan: Plan) -> Section:
             for dispatch in ("dense", "sparse"):
                 cfg = dataclasses.replace(base, num_experts=experts, top_k=k, dispatch=dispatch)
                 model = MixtureOfTranslators(cfg, rngs=nnx.Rngs(0))
-                run = lambda: jax.block_until_ready(forward(model, x))  # noqa: E731
+                run = lambda: jax.block_until_ready(forward(model, x))
                 run()
                 times[dispatch] = median_time(run, plan.runs)
                 slots = int(np.asarray(forward(model, x)[1]["stats"]["capacity"]))

@@ -84,7 +84,7 @@ def bench_ttft(plan: Plan) -> Section:
     native, translated = methods[0], methods[1:]
     direct = next((m for m in translated if m.translator.spec.mode == "direct"), None)
     reference = direct or translated[0]  # whose source prefill the table shows
-    mib = lambda n: f"{n / 2**20:.2f}"  # noqa: E731
+    mib = lambda n: f"{n / 2**20:.2f}"
     header = ("context tokens", *(f"{m.name} TTFT (ms)" for m in methods), "source prefill (ms)",
               *(f"{m.name} / native" for m in translated), "target KV (MiB)",
               *(f"{m.name} handed over (MiB)" for m in translated))  # fmt: skip

@@ -109,7 +109,7 @@ def baseline_methods(config) -> list:
 def with_controls(translated: list, shuffled_source: bool) -> list:
     """The translated methods, each followed by its shuffled-source control when `shuffled_source` (not the
     source-free ones: they read no source to shuffle)."""
-    control = lambda m: shuffled_source and m.translator.spec.reads_source  # noqa: E731
+    control = lambda m: shuffled_source and m.translator.spec.reads_source
     return [row for m in translated for row in ([m, ShuffledSource(m)] if control(m) else [m])]
 
 

@@ -51,7 +51,7 @@ def translator_tensors(translator, source=None, target=None) -> dict[str, np.nda
 
 def translator_config(translator, source, target) -> dict:
     """JSON-serialisable: the TranslatorConfig and TranslationSpec fields and the two models' cache shapes."""
-    lists = lambda d: {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}  # noqa: E731
+    lists = lambda d: {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
     spec = dataclasses.asdict(translator.spec)
     if spec.pop("native_bottom") or tuple(spec.pop("inputs")) != ("source",) or translator.cfg.kind == "linear":
         raise MotJaxError(

@@ -149,7 +149,7 @@ class LayerCache:
         """This layer's attention keys/values and allowed-key mask under the injection (new tokens at `offset`)."""
         inj, layer_slot = self.injection, self.injection.slot
         use = layer_slot >= 0
-        read = lambda a: jax.lax.dynamic_index_in_dim(a, jnp.maximum(layer_slot, 0), keepdims=False)  # noqa: E731
+        read = lambda a: jax.lax.dynamic_index_in_dim(a, jnp.maximum(layer_slot, 0), keepdims=False)
         at = (0, 0, offset, 0)
         k_layer = jnp.where(use, jax.lax.dynamic_update_slice(k_layer, read(inj.k).astype(k_layer.dtype), at), k_layer)
         v_layer = jnp.where(use, jax.lax.dynamic_update_slice(v_layer, read(inj.v).astype(v_layer.dtype), at), v_layer)

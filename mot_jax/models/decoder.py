@@ -103,7 +103,7 @@ class MLP(nnx.Module):
 class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs, dtype):
         self.cfg = cfg
-        norm = lambda: RMSNorm(  # noqa: E731
+        norm = lambda: RMSNorm(
             cfg.hidden_size,
             cfg.norm_eps,
             rngs=rngs,

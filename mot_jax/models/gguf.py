@@ -178,7 +178,7 @@ def unpermute_rope(w: np.ndarray, heads: int) -> np.ndarray:
 def hf_config(meta: dict, shapes: dict[str, tuple]) -> dict:
     """An HF config.json dict from GGUF metadata (what transformers' GGUF loader builds, plus its defaults)."""
     arch = meta["general.architecture"]
-    get = lambda key, default=None: meta.get(f"{arch}.{key}", default)  # noqa: E731
+    get = lambda key, default=None: meta.get(f"{arch}.{key}", default)
     heads, hidden = get("attention.head_count"), get("embedding_length")
     head_dim = get("attention.key_length") or get("rope.dimension_count") or hidden // heads
     theta = float(get("rope.freq_base", 1_000_000.0 if arch == "gemma3" else 10000.0))
@@ -324,7 +324,7 @@ def convert(path, name: str | None = None, dtype="float32", load=True):
     if not path.is_file():
         raise MotJaxError(f"GGUF file {path} does not exist; pass the path of a .gguf file.")
     cache_dir = cache_dir_for(path, name)
-    problem = lambda: cache_problem(cache_dir) if cache_dir.exists() else _MISSING  # noqa: E731
+    problem = lambda: cache_problem(cache_dir) if cache_dir.exists() else _MISSING
     if problem():
         with cache_lock(cache_dir):  # another process may be converting it: wait, then look again
             if reason := problem():

@@ -59,7 +59,7 @@ class Block(nnx.Module):
     def __call__(self, x, positions, layer, cache):
         cfg = self.cfg
         b, t, _ = x.shape
-        heads = lambda y: y.reshape(b, t, cfg.num_heads, cfg.head_dim)  # noqa: E731
+        heads = lambda y: y.reshape(b, t, cfg.num_heads, cfg.head_dim)
         q, k, v = jnp.split(self.attn.c_attn(self.ln_1(x)), 3, axis=-1)
         scale = cfg.query_scale or cfg.head_dim**-0.5
         if cfg.scale_attn_by_inverse_layer_idx:

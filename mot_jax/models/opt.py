@@ -62,7 +62,7 @@ class Block(nnx.Module):
     def __call__(self, x, positions, layer, cache):
         cfg, attn = self.cfg, self.self_attn
         b, t, _ = x.shape
-        heads = lambda y: y.reshape(b, t, cfg.num_heads, cfg.head_dim)  # noqa: E731
+        heads = lambda y: y.reshape(b, t, cfg.num_heads, cfg.head_dim)
         h = self.self_attn_layer_norm(x) if cfg.pre_norm else x
         q, k, v = heads(attn.q_proj(h)), heads(attn.k_proj(h)), heads(attn.v_proj(h))
         x = x + attn.out_proj(cache.attend(q, k, v, scale=cfg.head_dim**-0.5))

@@ -177,7 +177,7 @@ class TensorSource:
 def build_model(cfg: ModelConfig, dtype=jnp.float32, seed=0, abstract=False):
     """A randomly initialised model of this config (or its abstract shapes with `abstract=True`)."""
     _, cls = FAMILY_BY_NAME[cfg.family]
-    make = lambda: cls(cfg, rngs=nnx.Rngs(seed), dtype=dtype)  # noqa: E731
+    make = lambda: cls(cfg, rngs=nnx.Rngs(seed), dtype=dtype)
     return nnx.eval_shape(make) if abstract else make()
 
 

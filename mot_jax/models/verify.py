@@ -49,8 +49,8 @@ def compare_with_transformers(model, torch_model, input_ids) -> Comparison:
         )
     logits, cache = model(jnp.asarray(input_ids))
     theirs = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
-    diff = lambda a, b: float(np.max(np.abs(np.asarray(a, np.float32) - b.float().numpy())))  # noqa: E731
-    size = lambda b: float(b.float().abs().max())  # noqa: E731
+    diff = lambda a, b: float(np.max(np.abs(np.asarray(a, np.float32) - b.float().numpy())))
+    size = lambda b: float(b.float().abs().max())
     scale = {"logits": size(out.logits)}
     scale |= {(name, i): size(getattr(layer, attr)) for i, layer in enumerate(theirs.layers) for name, attr in
               (("K", "keys"), ("V", "values"))}  # fmt: skip

@@ -177,7 +177,7 @@ class Trainer:
             config.loss.correction_weight, config.loss.load_balance_weight, config.loss.z_loss_weight
         )
         replicated = NamedSharding(mesh, PartitionSpec())
-        named = lambda x: x.sharding if isinstance(x.sharding, NamedSharding) else replicated  # noqa: E731
+        named = lambda x: x.sharding if isinstance(x.sharding, NamedSharding) else replicated
         state_sharding = jax.tree.map(named, self.state)  # fixed, so the step compiles once
         self.state = jax.device_put(self.state, state_sharding)
         self._train = jax.jit(self._train_step, donate_argnums=(0,), out_shardings=(state_sharding, None))
@@ -246,7 +246,7 @@ class Trainer:
         """This process's rows of a numpy batch (all rows in a single process) -> global device arrays, the batch
         axis (1 for stacked micro-batches, else 0) over `data`; JAX infers the global batch from the mesh."""
         lead = (None,) if micro else ()
-        put = lambda x: jax.make_array_from_process_local_data(  # noqa: E731
+        put = lambda x: jax.make_array_from_process_local_data(
             NamedSharding(self.mesh, PartitionSpec(*lead, "data", *([None] * (x.ndim - len(lead) - 1)))), x
         )
         return jax.tree.map(put, batch)

@@ -73,7 +73,7 @@ def context_correction(translator, source, target, batch, frozen, weights: LossW
     )  # fmt: skip
     ce = prompt_cross_entropy(target, cache, batch)
     first = spec.native_bottom if spec.mode == "direct" else min(spec.target_layers)  # the layers it writes
-    context = lambda kv: kv[first:, :, :, :context_length]  # noqa: E731
+    context = lambda kv: kv[first:, :, :, :context_length]
     errors = {}
     for name, got, want in (("k", cache.k, native.k), ("v", cache.v, native.v)):
         mse = layer_mse(context(got), want[first:], batch.context_mask)

@@ -94,7 +94,7 @@ class CrossAttentionBlocks(nnx.Module):
         q = q_in @ kernel[:, :d] + bias[:d]
         k = ctx @ kernel[:, d : 2 * d] + bias[d : 2 * d]
         v = ctx @ kernel[:, 2 * d :] + bias[2 * d :]
-        split = lambda a: a.reshape(*a.shape[:2], h, d // h)  # noqa: E731
+        split = lambda a: a.reshape(*a.shape[:2], h, d // h)
         logits = jnp.einsum("bchd,bthd->bhct", split(q), split(k), preferred_element_type=jnp.float32)
         logits = jnp.where(visible[:, None], logits * (d // h) ** -0.5, MASK_VALUE)
         probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)

@@ -40,6 +40,6 @@ class Projector(nnx.Module):
         Every token is projected, padding included (as a one-expert mixture); `token_mask` is accepted for the
         mixture's interface and unused, since no token reads another.
         """
-        per_layer = lambda a, m: jnp.einsum("btwi,wio->btwo", a, m.kernel[...]) + m.bias[...]  # noqa: E731
+        per_layer = lambda a, m: jnp.einsum("btwi,wio->btwo", a, m.kernel[...]) + m.bias[...]
         y = per_layer(gelu(per_layer(self.norm(x), self.hidden)), self.out)
         return (gelu(y) if self.cfg.output_activation == "gelu" else y), {}

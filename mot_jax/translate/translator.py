@@ -250,13 +250,13 @@ def translate_window(translator: KVTranslator, source: CausalLM, target: CausalL
     """The translated window K/V, each [W, B, Kt, T, dt], and the mixtures' aux outputs {"key": .., "value": ..}."""
     spec, t = translator.spec, target.config
     k, v, aux = translator(*window_inputs(spec, source, target, source_cache, alignment, features), mask)
-    heads = lambda y: y.reshape(*y.shape[:3], t.num_kv_heads, t.head_dim)  # noqa: E731
+    heads = lambda y: y.reshape(*y.shape[:3], t.num_kv_heads, t.head_dim)
     k, v = heads(k), heads(v)  # [B, T, W, Kt, dt]
     _, target_freq = rotary_tables(spec, source, target)
     if target_freq is not None:
         pos = target_positions(mask)
         k = jnp.stack([apply_rope(k[:, :, i], pos, target_freq[li]) for i, li in enumerate(spec.target_layers)], 2)
-    to_cache = lambda y: y.transpose(2, 0, 3, 1, 4).astype(target.param_dtype)  # noqa: E731
+    to_cache = lambda y: y.transpose(2, 0, 3, 1, 4).astype(target.param_dtype)
     return to_cache(k), to_cache(v), aux
 
 
