@@ -266,13 +266,15 @@ class Trainer:
     def fit_linear_skip(self, batches) -> dict:
         """Set the K and V linear skips to the least-squares fit of the native K/V left over by the (untrained)
         mixtures on `batches`; returns {"key"/"value": (residual MSE before, after)} on those batches."""
-        parts = [jax.device_get(self._skip_sums(self.state["params"], self.llm_states, self.place(b, micro=False)))
-                 for b in batches]  # fmt: skip
+        totals = None  # added up batch by batch: one batch's products can take hundreds of MB
+        for b in batches:
+            part = jax.device_get(self._skip_sums(self.state["params"], self.llm_states, self.place(b, micro=False)))
+            part = jax.tree.map(lambda a: np.asarray(a, np.float64), part)
+            totals = part if totals is None else jax.tree.map(np.add, totals, part)
         translator = nnx.merge(self.graphdef, self.state["params"])
         errors = {}
         for name in ("key", "value"):
-            sums = jax.tree.map(lambda *a: np.sum(np.asarray(a, np.float64), 0), *(p[name] for p in parts))
-            kernel, bias, *errors[name] = solve_linear_skip(sums)
+            kernel, bias, *errors[name] = solve_linear_skip(totals[name])
             skip = getattr(translator, f"{name}_skip")
             for var, value in ((skip.kernel, kernel), (skip.bias, bias)):
                 var.set_value(jax.device_put(value.astype(var.dtype), var[...].sharding))
