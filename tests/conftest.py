@@ -1,12 +1,24 @@
-"""Test set-up: 8 simulated CPU devices (set before jax is imported), offline hub, fp32 matmuls, compiled programs
-released after each test module."""
+"""Test set-up: 8 simulated CPU devices (set before jax is imported), offline hub, fp32 matmuls, a persistent
+compilation cache for the session, compiled programs released after each test module."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["HF_HUB_OFFLINE"] = "1"  # no test may download from a hub
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One persistent compilation cache for the session, shared with the commands the tests start: every tiny training
+# run builds a new Trainer (new jitted functions) and recompiled the same programs (~40 s of each run on a 2-core CPU);
+# a hit loads the same XLA executable. A fresh folder per session (unless one is given), so nothing outlives the run.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="mot_jax_tests_xla_")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+# a size limit makes JAX lock the folder while it reads or writes an entry (test commands run beside this process)
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
 
 import jax  # noqa: E402
 
