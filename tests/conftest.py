@@ -36,3 +36,16 @@ def _release_compiled_programs():
     yield
     jax.clear_caches()
     gc.collect()
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory):
+    """`configs/quickstart.py:tiny` trained for 2 steps (validated and checkpointed at step 2), once per session:
+    (workdir, summary). The tests that need a finished tiny run read it (training, export, evaluation); a test that
+    changes it works on a copy (shutil.copytree)."""
+    from test_train_run import load_config
+
+    from mot_jax.training import loop
+
+    workdir = tmp_path_factory.mktemp("tiny_run") / "run"
+    return workdir, loop.train_and_evaluate(load_config(steps=2), workdir)

@@ -116,15 +116,10 @@ def test_budgets_truncate_the_context_and_a_question_that_cannot_fit_is_refused(
 
 
 @pytest.fixture(scope="module")
-def trained_workdir(tmp_path_factory):
-    """A one-step tiny training run (the translator only needs to exist)."""
-    workdir = tmp_path_factory.mktemp("run")
-    config = base()
-    tiny(config, "llama", "gemma3")
-    config.translator.channels.mode = "terminal"
-    config.steps, config.eval_batches, config.final_eval_batches = 1, 1, 1
-    loop.train_and_evaluate(config, workdir)
-    return workdir
+def trained_workdir(tiny_run):
+    """A tiny training run (the translator only needs to exist): the session's quickstart:tiny run, a replay mixture
+    of 2 experts between random:llama and random:gemma3 with one checkpoint, of step 2; the tests only read it."""
+    return tiny_run[0]
 
 
 def small_config(**overrides):
@@ -212,7 +207,7 @@ def test_replay_attention_and_checkpoint_step_are_chosen_at_evaluation(trained_w
     the caches it builds change with it (the layers below the translated window stay the native prefill's); `which`
     takes a step number."""
     names = ["MoT replay", "MoT replay, dense attention", "MoT replay, top-2 attention"]
-    methods, _ = run.trained_methods([str(trained_workdir)], "1", "trained,dense,2,dense,trained")
+    methods, _ = run.trained_methods([str(trained_workdir)], "2", "trained,dense,2,dense,trained")
     assert [m.name for m in methods] == names
     assert [m.translator.spec.attention_topk for m in methods] == [4, 0, 2]
     weights = [nnx.state(m.translator, nnx.Param) for m in methods]
@@ -225,7 +220,7 @@ def test_replay_attention_and_checkpoint_step_are_chosen_at_evaluation(trained_w
         np.testing.assert_allclose(k[:below], native.k[:below], atol=1e-5)
     for a, b in ((0, 1), (0, 2), (1, 2)):
         assert not np.allclose(caches[a][below:], caches[b][below:], atol=1e-3), (a, b)
-    with pytest.raises(MotJaxError, match="keeps no checkpoint of step 7; pick one of steps 1, last or best"):
+    with pytest.raises(MotJaxError, match="keeps no checkpoint of step 7; pick one of steps 2, last or best"):
         run.trained_methods([str(trained_workdir)], "7")
     with pytest.raises(MotJaxError, match="replay_attention has 'sparse'"):
         run.trained_methods([str(trained_workdir)], "last", "sparse")

@@ -1,6 +1,7 @@
 """The exported translator driving Hugging Face transformers models: caches and greedy tokens equal mot_jax's."""
 
 import json
+import shutil
 
 import jax.numpy as jnp
 import numpy as np
@@ -87,22 +88,20 @@ def test_transformers_generation_from_the_exported_translation_equals_mot_jax(mo
     assert got == expected[: len(got)] and (len(got) == NEW_TOKENS or got[-1] == 2), (got, expected)  # 2: EOS
 
 
-def test_export_command_writes_the_trained_translator(tmp_path):
+def test_export_command_writes_the_trained_translator(tiny_run, tmp_path):
     from safetensors import safe_open
-    from test_train_run import load_config
 
     from mot_jax.errors import MotJaxError
     from mot_jax.export.__main__ import export_workdir
-    from mot_jax.training.loop import train_and_evaluate
     from mot_jax.training.trained import load_trained
 
-    train_and_evaluate(load_config(steps=2), tmp_path / "run")
-    out, trained = export_workdir(tmp_path / "run", tmp_path / "exported")
+    run = shutil.copytree(tiny_run[0], tmp_path / "run")  # quickstart:tiny, 2 steps (a copy: it must stay as is)
+    out, trained = export_workdir(run, tmp_path / "exported")
     assert sorted(p.name for p in out.iterdir()) == [".mot_jax_output", "config.json", "model.safetensors"]
-    files = sorted(p.relative_to(tmp_path) for p in (tmp_path / "run").rglob("*"))
+    files = sorted(p.relative_to(tmp_path) for p in run.rglob("*"))
     with pytest.raises(MotJaxError, match="is a training workdir"):  # it deleted the workdir
-        export_workdir(tmp_path / "run", tmp_path / "run")
-    assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "run").rglob("*")) == files
+        export_workdir(run, run)
+    assert sorted(p.relative_to(tmp_path) for p in run.rglob("*")) == files
     config = json.loads((out / "config.json").read_text())
     assert (config["source"], config["target"], config["step"]) == ("random:llama", "random:gemma3", 2)
     with safe_open(str(out / "model.safetensors"), "np") as f:
@@ -111,7 +110,7 @@ def test_export_command_writes_the_trained_translator(tmp_path):
     assert saved.keys() == params.keys()
     for name, value in params.items():
         np.testing.assert_array_equal(saved[name], value)
-    assert trained.step == load_trained(tmp_path / "run", "best").step == 2
+    assert trained.step == load_trained(run, "best").step == 2
     TorchKVTranslator.from_pretrained(out)  # loads with torch alone
 
 

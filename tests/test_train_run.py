@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -84,13 +85,16 @@ RUNS = [(n, "tiny") for n in CONFIGS] + [
 @pytest.mark.parametrize(
     "name,arg", [pytest.param(*r, marks=() if r[0] == "quickstart.py" else pytest.mark.slow) for r in RUNS]
 )
-def test_every_config_runs_two_tiny_steps(name, arg, tmp_path):
+def test_every_config_runs_two_tiny_steps(name, arg, tmp_path, request):
     config = load_config(name, arg, steps=2, eval_every=2, checkpoint_every=2)
-    summary = loop.train_and_evaluate(config, tmp_path)
+    if config == load_config(steps=2):  # quickstart:tiny is the session's shared run (conftest.tiny_run)
+        workdir, summary = request.getfixturevalue("tiny_run")
+    else:
+        workdir, summary = tmp_path, loop.train_and_evaluate(config, tmp_path)
     assert summary["steps"] == 2 and np.isfinite(summary["final_validation"]["loss"])
-    assert (tmp_path / "checkpoints" / "2").is_dir() and (tmp_path / "best" / "2").is_dir()
+    assert (workdir / "checkpoints" / "2").is_dir() and (workdir / "best" / "2").is_dir()
     if config.translator.channels.mode == "depth_ratio" and config.translator.mode == "replay":
-        search = json.loads((tmp_path / "channel_search.json").read_text())
+        search = json.loads((workdir / "channel_search.json").read_text())
         assert search["scores"] and search["chosen"]["target"]
 
 
@@ -114,26 +118,26 @@ def test_unknown_config_argument_and_model_name(tmp_path):
         loop.train_and_evaluate(load_config(target="no-such-org/no-such-model"), tmp_path)
 
 
-def test_workdir_of_another_experiment_is_refused(tmp_path):
-    loop.train_and_evaluate(load_config(steps=2), tmp_path)
+def test_workdir_of_another_experiment_is_refused(tiny_run, tmp_path):
+    workdir = shutil.copytree(tiny_run[0], tmp_path / "run")  # load_config(steps=2) trained there
     with pytest.raises(MotJaxError, match=r"another experiment \(it differs in: translator\)"):
-        loop.train_and_evaluate(load_config(steps=4, **{"translator.dim": 48}), tmp_path)
+        loop.train_and_evaluate(load_config(steps=4, **{"translator.dim": 48}), workdir)
     with pytest.raises(
-        MotJaxError, match=f"^{tmp_path} is at step 2, past --config.steps=1; pass --config.steps above 2"
+        MotJaxError, match=f"^{workdir} is at step 2, past --config.steps=1; pass --config.steps above 2"
     ):
-        loop.train_and_evaluate(load_config(steps=1), tmp_path)
-    meta_file = tmp_path / "checkpoints" / "2" / "meta" / "metadata"
+        loop.train_and_evaluate(load_config(steps=1), workdir)
+    meta_file = workdir / "checkpoints" / "2" / "meta" / "metadata"
     meta = json.loads(meta_file.read_text())
     del meta["identity"]
     meta_file.write_text(json.dumps(meta))
     with pytest.raises(MotJaxError, match=r"step 2 .* cannot be read \(its meta has no identity: written by another"):
-        loop.train_and_evaluate(load_config(steps=4), tmp_path)
+        loop.train_and_evaluate(load_config(steps=4), workdir)
 
 
-def test_corrupt_checkpoint_is_refused(tmp_path):
-    loop.train_and_evaluate(load_config(steps=2), tmp_path)
-    for f in (tmp_path / "checkpoints" / "2" / "state").rglob("*"):
+def test_corrupt_checkpoint_is_refused(tiny_run, tmp_path):
+    workdir = shutil.copytree(tiny_run[0], tmp_path / "run")  # load_config(steps=2) trained there
+    for f in (workdir / "checkpoints" / "2" / "state").rglob("*"):
         if f.is_file():
             f.write_bytes(b"garbage")
     with pytest.raises(MotJaxError, match="cannot be read"):
-        loop.train_and_evaluate(load_config(steps=4), tmp_path)
+        loop.train_and_evaluate(load_config(steps=4), workdir)
