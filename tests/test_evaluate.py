@@ -30,6 +30,7 @@ from mot_jax.evals.prompts import (
     token_ids,
 )
 from mot_jax.evals.tasks import evaluate_agents, evaluate_examples
+from mot_jax.jit import jit
 from mot_jax.models.base import generate
 from mot_jax.progress import Progress
 from mot_jax.training import loop
@@ -50,6 +51,13 @@ def tiny_pair(source="llama", target="gemma3"):
 @pytest.fixture(scope="module")
 def pair():
     return tiny_pair()
+
+
+@jit
+def log_probs(model, ids):
+    """Log-softmax of a full forward's logits over one sequence, [length, vocab], as one program per length (run
+    eagerly, each operation of the forward compiled anew for every length)."""
+    return jax.nn.log_softmax(model(ids)[0][0], axis=-1)
 
 
 def test_native_answers_equal_the_target_reading_the_whole_prompt(pair):
@@ -74,8 +82,7 @@ def test_native_answers_equal_the_target_reading_the_whole_prompt(pair):
                 plain = token_ids(pair.target_tokenizer, [suffix_text(example, options=False)], False)[0]
                 for choice in example["choices"]:
                     tokens = token_ids(pair.target_tokenizer, [" " + choice], False)[0]
-                    full = jnp.asarray([prefix + plain + tokens], jnp.int32)
-                    logp = jax.nn.log_softmax(pair.target(full)[0][0], axis=-1)
+                    logp = np.asarray(log_probs(pair.target, jnp.asarray([prefix + plain + tokens], jnp.int32)))
                     start = len(prefix) + len(plain)
                     means.append(np.mean([logp[start - 1 + j, t] for j, t in enumerate(tokens)]))
                 assert prediction["likelihood_choice"] == example["choices"][int(np.argmax(means))]
