@@ -29,7 +29,7 @@ class TranslatorConfig:
     A projector (`kind="projector"`) reads only the widths, window, `dim` and `output_activation`.
     """
 
-    source_width: int  # source kv_heads * head_dim
+    source_width: int  # input width per window layer: source kv_heads * head_dim, plus any target-side features
     target_width: int  # target kv_heads * head_dim
     window: int  # W: window layers translated together
     kind: str = "mot"  # "mot" (the mixture) | "projector" (the C2C-Project baseline) | "linear" (linear skip alone)
