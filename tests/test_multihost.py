@@ -71,10 +71,20 @@ def run(processes: int, workdirs: list, steps: int, cache: Path) -> tuple[list[i
     return codes, [path.read_text() for path in paths]
 
 
+def before_dump(log: str) -> str:
+    """A failed process's output up to the thread dump that a fatal signal prints (where the cause is): the dump's
+    header line, and the output before it."""
+    head, fatal, _ = log.partition("Fatal Python error")
+    return head[-2500:] + (fatal + _.splitlines()[0] if fatal else "")
+
+
 def train(workdir, steps: int, processes: int, cache: Path) -> list[str]:
     codes, logs = run(processes, [workdir] * processes, steps, cache)
-    for code, log in zip(codes, logs):
-        assert code == 0, log[-3000:]
+    # every process's output: one process's fault aborts the others, whose own output then holds only their dumps
+    report = "\n".join(
+        f"--- process {i}, exit {code}:\n{before_dump(log)}" for i, (code, log) in enumerate(zip(codes, logs))
+    )
+    assert codes == [0] * processes, report
     return logs
 
 
