@@ -44,6 +44,14 @@ class KVCache:
     def capacity(self):
         return self.k.shape[3]
 
+    def with_capacity(self, capacity: int) -> KVCache:
+        """The same cache with free slots added up to `capacity` (a prefill's cache, made room for more tokens)."""
+        grow = capacity - self.capacity
+        pad = lambda x, axis: jnp.pad(x, [(0, grow if a == axis else 0) for a in range(x.ndim)])
+        return self.replace(
+            k=pad(self.k, 3), v=pad(self.v, 3), positions=pad(self.positions, 1), valid=pad(self.valid, 1)
+        )
+
     def next_positions(self):
         """[B] the position that follows each row's last valid token (0 for an empty row)."""
         return jnp.max(jnp.where(self.valid, self.positions, -1), axis=1) + 1

@@ -6,6 +6,10 @@ with its clean prefill of the same context, over the layers from the first windo
 the target's own `native_bottom` layers),
 context tokens only, mean over every element. Only the translator receives gradients.
 
+Ours, off by default (`loss.distill_weight`): + mu * KL(native || translated), the target's next-token distributions
+over the prompt after its native cache against after the translated one (SwiftKV's distillation objective). CE
+rewards the labels alone; the KL asks for the whole distribution the native context gives, at every prompt position.
+
 Also reported, not in the loss: `unexplained_k` / `unexplained_v`, each layer's MSE over that layer's native variance in
 the batch (1 - R^2), averaged over layers: a fidelity that does not depend on the models' activation scales, above 1
 when the translation is further off than predicting every channel's mean would be.
@@ -26,6 +30,14 @@ class LossWeights:
     correction: float = 1.0
     load_balance: float = 0.01
     z_loss: float = 0.001
+    distill: float = 0.0
+
+    @classmethod
+    def from_config(cls, loss) -> LossWeights:
+        """From a config's `loss` block (configs saved before `distill_weight` existed have none)."""
+        return cls(
+            loss.correction_weight, loss.load_balance_weight, loss.z_loss_weight, loss.get("distill_weight", 0.0)
+        )
 
 
 def frozen_forwards(source, target, batch, topk: int):
@@ -56,6 +68,14 @@ def token_cross_entropy(logits, labels, mask):
     return jnp.sum(nll * mask) / jnp.maximum(jnp.sum(mask), 1)
 
 
+def distillation_kl(logits, teacher_logits, mask):
+    """Mean over valid positions of KL(teacher || student) between next-token distributions, in fp32."""
+    teacher = jax.nn.log_softmax(teacher_logits.astype(jnp.float32), axis=-1)
+    student = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    kl = jnp.sum(jnp.exp(teacher) * (teacher - student), axis=-1)
+    return jnp.sum(kl * mask) / jnp.maximum(jnp.sum(mask), 1)
+
+
 def prompt_cross_entropy(target, cache, batch):
     """CE of the labels when the target reads the prompt after `cache` (None: with no context at all)."""
     logits, _ = target(batch.prompt, cache=cache)
@@ -71,7 +91,8 @@ def context_correction(translator, source, target, batch, frozen, weights: LossW
         translator, source, target, source_cache, batch.alignment, batch.context, batch.context_mask,
         source_topk, capacity=context_length + prompt_length,
     )  # fmt: skip
-    ce = prompt_cross_entropy(target, cache, batch)
+    logits, _ = target(batch.prompt, cache=cache)
+    ce = token_cross_entropy(logits, batch.labels, batch.label_mask)
     first = spec.native_bottom if spec.mode == "direct" else min(spec.target_layers)  # the layers it writes
     context = lambda kv: kv[first:, :, :, :context_length]
     errors = {}
@@ -84,7 +105,12 @@ def context_correction(translator, source, target, batch, frozen, weights: LossW
     z_loss = sum((a["z_loss"] for a in routed), jnp.zeros(()))
     correction = errors["mse_k"] + errors["mse_v"]
     loss = ce + weights.correction * correction + weights.load_balance * load_balance + weights.z_loss * z_loss
-    metrics = dict(loss=loss, ce=ce, **errors, load_balance=load_balance, z_loss=z_loss)
+    metrics = dict(ce=ce, **errors, load_balance=load_balance, z_loss=z_loss)
+    if weights.distill:  # one more target forward over the prompt, after the native cache (no gradient reaches it)
+        teacher, _ = target(batch.prompt, cache=native.with_capacity(context_length + prompt_length))
+        metrics["kl"] = distillation_kl(logits, jax.lax.stop_gradient(teacher), batch.label_mask)
+        loss = loss + weights.distill * metrics["kl"]
+    metrics["loss"] = loss
     if routed:
         # query slots per expert and row that dispatch used, as a fraction of the tokens (1: the dense work)
         metrics["dispatch_slots"] = sum(a["stats"]["capacity"] for a in routed) / (len(routed) * context_length)
