@@ -1,9 +1,10 @@
 """Output folders a command writes whole (an exported translator, an evaluation report).
 
-`written_folder(out, tool)` stages the files beside `out` and renames them into place once all are written, so a
-reader never sees half a folder. It only ever replaces what a command of this project wrote there itself: each
-output folder gets a marker file listing its files, and `check_replaceable(out)` refuses anything else (a file, a
-training workdir, a folder with files the marker does not list); an empty folder is fine. Files follow the umask.
+`written_folder(out, tool)` stages the files beside `out` and renames them into place once all are written
+(`files.atomic_folder`), so a reader never sees half a folder. It only ever replaces what a command of this project
+wrote there itself: each output folder gets a marker file listing its files, and `check_replaceable(out)` refuses
+anything else (a file, a training workdir, a folder with files the marker does not list); an empty folder is fine.
+Files follow the umask.
 """
 
 from __future__ import annotations
@@ -11,11 +12,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import secrets
 
 from etils import epath
 
 from mot_jax.errors import MotJaxError, cause
+from mot_jax.files import atomic_folder
 
 MARKER = ".mot_jax_output"
 
@@ -72,26 +73,9 @@ def written_folder(out, tool: str):
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise MotJaxError(f"Cannot create {out.parent} ({cause(e)}); {_fix(out)}.") from None
-    staging = out.parent / f".{out.name}.{os.getpid()}.{secrets.token_hex(4)}.partial"
-    staging.mkdir()
-    old = None
-    try:
+    with atomic_folder(out) as staging:
         yield staging
         files = sorted(p.name for p in staging.iterdir())
         (staging / MARKER).write_text(json.dumps(dict(tool=tool, files=files)) + "\n")
         _follow_umask(staging)
         check_replaceable(out)  # again: another process may have written there meanwhile
-        if out.exists():
-            old = out.parent / f"{staging.name[: -len('.partial')]}.old"
-            out.rename(old)  # the earlier output moves aside, then the new one takes its name
-        try:
-            staging.rename(out)
-        except BaseException:
-            if old is not None:
-                old.rename(out)
-                old = None
-            raise
-    finally:
-        for path in (staging, old):
-            if path is not None and path.exists():
-                path.rmtree()

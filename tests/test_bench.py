@@ -65,7 +65,7 @@ def test_quick_page(tmp_path):
     assert "Goal (at least 50x when the ids are re-encodable): **" in text
     assert f"]({page.PLOT})" in text
     assert (tmp_path / page.PLOT).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")]  # no temporary file left
+    assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(".partial")]  # no temporary file left
     for heading in ("## Mixture", "## Time to first token"):  # the sections are printed as they finish
         assert heading in result.stdout
 

@@ -3,15 +3,17 @@ plot, written atomically."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib.metadata
 import os
 import platform
 import shlex
 import sys
-import tempfile
+from pathlib import Path
 
 from mot_jax.bench.common import Plan, Section
+from mot_jax.files import atomic_file
 
 PAGE, PLOT = "BENCHMARKS.md", "benchmarks_ttft.png"
 
@@ -79,27 +81,15 @@ def page(sections: list[Section], images: dict, plan: Plan) -> str:
 
 
 def write_page(path: str, sections: list[Section], plan: Plan):
-    """The page (and its plot, next to it), each written to a temporary file and moved into place."""
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    staged, images = [], {}
-
-    def temporary(name):
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".tmp")
-        os.close(fd)
-        staged.append((tmp, os.path.join(folder, name)))
-        return tmp
-
-    try:
+    """The page (and its plot, next to it), each written to a temporary file and renamed into place once both are
+    written: the plot first, so the new page never shows the old plot's image."""
+    folder = Path(path).absolute().parent
+    images = {}
+    with contextlib.ExitStack() as staged:
+        page_file = staged.enter_context(atomic_file(path))  # entered first, so renamed last
         for section in sections:
             if section.plot:
-                section.plot(temporary(PLOT))
+                section.plot(str(staged.enter_context(atomic_file(folder / PLOT))))
                 images[section.title] = PLOT
-        with open(temporary(os.path.basename(path)), "w") as f:
+        with open(page_file, "w") as f:
             f.write(page(sections, images, plan))
-        for tmp, final in staged:
-            os.replace(tmp, final)
-    finally:
-        for tmp, _ in staged:
-            if os.path.exists(tmp):
-                os.remove(tmp)

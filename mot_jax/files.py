@@ -1,0 +1,60 @@
+"""Writing files whole: atomic writes, so a reader never sees half a file or folder."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+from pathlib import Path
+
+from etils import epath
+
+
+def _temporary_name(name: str) -> str:
+    """A hidden name for staging `name` beside it, unique to this process and call."""
+    return f".{name}.{os.getpid()}.{secrets.token_hex(4)}.partial"
+
+
+@contextlib.contextmanager
+def atomic_file(path):
+    """Yield a temporary path beside `path` (its folder is made when missing) for the block to write; when the block
+    ends without error the file is renamed to `path`, so a reader finds the old file or the new one, never part of
+    one. On an error the temporary file is removed and `path` is left as it was. No fsync: this guards against
+    readers and crashed writers, not against a power cut."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(_temporary_name(path.name))
+    try:
+        yield partial
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def atomic_folder(path):
+    """Yield an empty temporary folder beside `path` (local or cloud) for the block to fill; when the block ends
+    without error the folder takes `path`'s place (a folder already there is first moved aside, then removed), so a
+    reader finds the old folder, the new one or, for an instant, none, never part of one. On an error the temporary
+    folder is removed and `path` is left as it was (an old folder moved aside is moved back)."""
+    path = epath.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.parent / _temporary_name(path.name)
+    staging.mkdir()
+    old = None
+    try:
+        yield staging
+        if path.exists():
+            old = path.parent / f"{staging.name.removesuffix('.partial')}.old"
+            path.rename(old)  # the earlier folder moves aside, then the new one takes its name
+        try:
+            staging.rename(path)
+        except BaseException:
+            if old is not None:
+                old.rename(path)
+                old = None
+            raise
+    finally:
+        for leftover in (staging, old):
+            if leftover is not None and leftover.exists():
+                leftover.rmtree()
