@@ -1,4 +1,5 @@
-"""Output folders a command writes whole (an exported translator, an evaluation report).
+"""Output folders a command writes whole (an exported translator, an evaluation report), and the Markdown table
+writer of the reports and pages (`markdown_table`).
 
 `written_folder(out, tool)` stages the files beside `out` and renames them into place once all are written
 (`files.atomic_folder`), so a reader never sees half a folder. It only ever replaces what a command of this project
@@ -79,3 +80,10 @@ def written_folder(out, tool: str):
         (staging / MARKER).write_text(json.dumps(dict(tool=tool, files=files)) + "\n")
         _follow_umask(staging)
         check_replaceable(out)  # again: another process may have written there meanwhile
+
+
+def markdown_table(header, rows, left: int = 1) -> str:
+    """A Markdown table of `rows` (each cell through str()) under `header`: the first `left` columns are names
+    (left-aligned), the others numbers (right-aligned)."""
+    align = ["---"] * left + ["---:"] * (len(header) - left)
+    return "\n".join("| " + " | ".join(map(str, row)) + " |" for row in [header, align, *rows])

@@ -161,3 +161,14 @@ def test_plots_show_a_single_length_and_keep_f1_at_or_above_zero(tmp_path, monke
     assert prefill.get_markersize() > 0
     bottom, top = figures["quality_vs_budget.png"].axes[0].get_ylim()
     assert bottom == 0 < top
+
+
+def test_markdown_tables_put_names_left_and_numbers_right():
+    table = outputs.markdown_table(("model", "dtype", "ms"), [("gpt2", "bf16", 1.5)], left=2)
+    assert table == "| model | dtype | ms |\n| --- | --- | ---: |\n| gpt2 | bf16 | 1.5 |"
+    extractive = [
+        "| method | F1 | EM | retention | bytes handed over | examples/s |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        "| native | 0.000 | 0.000 | - | 10 | 1.00 |",
+    ]
+    assert "\n".join(extractive) in report.markdown(report.split_predictions(results())[0])

@@ -11,6 +11,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from mot_jax.outputs import markdown_table
+
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 EXPERIMENT = "smollm2_gemma3.py"  # the config whose translators the ttft and train parts time
 
@@ -54,9 +56,7 @@ class Table:
     left: int = 1  # the first `left` columns are names (left-aligned); the others are numbers
 
     def markdown(self) -> str:
-        align = ["---"] * self.left + ["---:"] * (len(self.header) - self.left)
-        rows = [self.header, align, *self.rows]
-        return "\n".join("| " + " | ".join(map(str, row)) + " |" for row in rows)
+        return markdown_table(self.header, self.rows, self.left)
 
 
 @dataclasses.dataclass

@@ -21,34 +21,28 @@ def _seconds(value) -> str:
     return "-" if value is None else f"{value:.3f}"
 
 
-def _table(header: list[str], rows: list[list]) -> list[str]:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" if i == 0 else "---:" for i in range(len(header)))]
-    lines[1] += "|"
-    return lines + ["| " + " | ".join(map(str, row)) + " |" for row in rows]
-
-
-def task_table(task: str, entry: dict) -> list[str]:
+def task_table(task: str, entry: dict) -> str:
     methods = entry["methods"]
     if task == "multi_agent":
         header = ["method", "F1", "retention", "context seconds / document", "target KV held (MiB)", "one shared cache"]
         rows = [[name, f"{m['f1']:.3f}", _pct(m["retention"]), _seconds(m["context_seconds"]),
                  f"{m['target_kv_bytes'] / MIB:.2f}", "yes" if m["shares_one_cache"] else "no"]
                 for name, m in methods.items()]  # fmt: skip
-        return _table(header, rows)
+        return outputs.markdown_table(header, rows)
     if "accuracy" in next(iter(methods.values())):
         header = ["method", "accuracy (generation)", "retention", "unparsed", "accuracy (option likelihood)",
                   "retention", "examples/s"]  # fmt: skip
         rows = [[name, f"{m['accuracy']:.3f}", _pct(m["retention"]), f"{m['unparsed']:.0%}",
                  f"{m['likelihood_accuracy']:.3f}", _pct(m["likelihood_retention"]), f"{m['examples_per_s']:.2f}"]
                 for name, m in methods.items()]  # fmt: skip
-        return _table(header, rows)
+        return outputs.markdown_table(header, rows)
     header = ["method", "F1", "EM", "retention", "bytes handed over", "examples/s"]
     rows = [[name, f"{m['f1']:.3f}", f"{m['exact_match']:.3f}", _pct(m["retention"]), f"{m['handed_bytes']:,.0f}",
              f"{m['examples_per_s']:.2f}"] for name, m in methods.items()]  # fmt: skip
-    return _table(header, rows)
+    return outputs.markdown_table(header, rows)
 
 
-def budget_table(entry: dict) -> list[str]:
+def budget_table(entry: dict) -> str:
     budgets = list(entry["budgets"])
     names = list(entry["budgets"][budgets[0]])
     rows = []
@@ -56,16 +50,16 @@ def budget_table(entry: dict) -> list[str]:
         cells = [f"{entry['budgets'][b][name]['f1']:.3f} ({_pct(entry['budgets'][b][name]['retention'])})"
                  for b in budgets]  # fmt: skip
         rows.append([name, *cells])
-    return _table(["method", *(f"F1 at {b} tokens (retention)" for b in budgets)], rows)
+    return outputs.markdown_table(["method", *(f"F1 at {b} tokens (retention)" for b in budgets)], rows)
 
 
-def latency_table(rows: list[dict]) -> list[str]:
+def latency_table(rows: list[dict]) -> str:
     header = ["method", "context tokens", "TTFT (ms)", "TTFT incl. source prefill (ms)", "handed over (KiB)",
               "target KV (MiB)", "memory plan (MiB)"]  # fmt: skip
     cells = [[r["method"], r["context_tokens"], f"{r['ttft_s'] * 1e3:.1f}", f"{r['ttft_with_source_s'] * 1e3:.1f}",
               f"{r['handed_bytes'] / 1024:,.1f}", f"{r['target_kv_bytes'] / MIB:.2f}",
               "-" if r["planned_bytes"] is None else f"{r['planned_bytes'] / MIB:,.0f}"] for r in rows]  # fmt: skip
-    return _table(header, cells)
+    return outputs.markdown_table(header, cells)
 
 
 def markdown(results: dict) -> str:
@@ -84,7 +78,7 @@ def markdown(results: dict) -> str:
                       "it beats it; no TTFT of its own).")  # fmt: skip
     for task, entry in results["tasks"].items():
         lines += ["", f"## {task} ({entry['examples']} examples)", ""]
-        lines += budget_table(entry) if task == "long_context" else task_table(task, entry)
+        lines.append(budget_table(entry) if task == "long_context" else task_table(task, entry))
     if results.get("latency"):
         lines += ["", "## Time to first token (batch 1)", ""]
         lines += [
@@ -94,7 +88,7 @@ def markdown(results: dict) -> str:
             "included (longest length only).",
             "",
         ]
-        lines += latency_table(results["latency"])
+        lines.append(latency_table(results["latency"]))
     if results.get("routing"):
         lines += ["", "## Routing (tokens per expert over the evaluation contexts)", ""]
         for name, parts in results["routing"].items():
