@@ -1,13 +1,17 @@
-"""Writing files whole: atomic writes, so a reader never sees half a file or folder."""
+"""Writing and reading files whole: atomic writes (a reader never sees half a file or folder) and JSON Lines read
+with the file and line named on any error."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 from pathlib import Path
 
 from etils import epath
+
+from mot_jax.errors import MotJaxError
 
 
 def _temporary_name(name: str) -> str:
@@ -58,3 +62,25 @@ def atomic_folder(path):
         for leftover in (staging, old):
             if leftover is not None and leftover.exists():
                 leftover.rmtree()
+
+
+def utf8(path, data: bytes, first_line: int = 1) -> str:
+    """`data` (the file's text from line `first_line` on) decoded; bytes that are not UTF-8 are named by file:line."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = first_line + data[: e.start].count(b"\n")
+        raise MotJaxError(f"{path}:{line}: not UTF-8 text ({e.reason}); save the file as UTF-8.") from None
+
+
+def json_lines(path: Path):
+    """(line number, parsed value) of each non-blank line of a JSONL file; a malformed line is named by file:line."""
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, 1):
+            line = utf8(path, raw, number)
+            if not line.strip():
+                continue
+            try:
+                yield number, json.loads(line)
+            except json.JSONDecodeError as e:
+                raise MotJaxError(f"{path}:{number}: not valid JSON ({e.msg}); fix that line.") from None

@@ -126,8 +126,9 @@ def test_local_corpus_is_reprepared_when_a_file_changes(tmp_path):
 @pytest.mark.parametrize(
     "files,message",
     [
-        ({"x.jsonl": '{"text": "fine"}\n{"text": "fine"}\nnot json\n'}, "x.jsonl line 3 is not JSON"),
-        ({"x.jsonl": '{"text": "fine"}\n{"body": "no text"}\n'}, "x.jsonl line 2 has no 'text'"),
+        ({"x.jsonl": '{"text": "fine"}\n{"text": "fine"}\nnot json\n'}, "x.jsonl:3: not valid JSON"),
+        ({"x.jsonl": '{"text": "fine"}\n{"body": "no text"}\n'}, "x.jsonl:2: the line has no 'text'"),
+        ({"x.jsonl": b'{"text": "fine"}\n{"text": "\xff"}\n'}, "x.jsonl:2: not UTF-8 text"),
         ({"x.csv": "text\n"}, "has no .txt, .jsonl or .parquet file"),
         ({"x.parquet": pa.table({"body": ["a"]})}, "x.parquet has no 'text' column"),
         ({"x.txt": b"\xff\xfe bad"}, "x.txt is not UTF-8"),

@@ -39,6 +39,7 @@ from pathlib import Path
 
 from mot_jax.errors import MotJaxError, cause
 from mot_jax.evals import jsonl, synthetic
+from mot_jax.files import json_lines, utf8
 from mot_jax.paths import cache_root
 
 TASKS = synthetic.TASKS
@@ -69,7 +70,7 @@ def synthetic_set(
 ) -> list[dict]:
     """synthetic.examples(...) stored as a TFDS array_record dataset (one config per task, size, seed and options,
     named with a hash of synthetic.py so a changed generator gets a new set) and read back from it."""
-    from mot_jax.training.corpus import _quiet, prepared
+    from mot_jax.training.corpus import _quiet, one_split_builder, prepared
 
     distractors = synthetic.DISTRACTORS[task] if distractors is None else distractors
     questions = f"_q{questions_per_example}" if task == "multi_agent" else ""
@@ -81,35 +82,15 @@ def synthetic_set(
 
     def build(builder):
         print(f"Preparing the synthetic {task} set into {builder.data_dir} (once)", file=sys.stderr)
+        builder.records = (json.dumps(e) for e in make())  # in generation order
         with _quiet():
             builder.download_and_prepare()
 
-    builder = prepared(lambda: _builder(config, data_dir, make), build)  # one build among concurrent processes
+    # one "test" split of {"json": example as JSON text} records, built once among concurrent processes
+    builder = prepared(lambda: one_split_builder("mot_eval", "test", "json", config, data_dir), build)
     with _quiet():
         source = builder.as_data_source(split="test")  # what tfds.data_source returns, without a registered name
     return [json.loads(record["json"]) for record in source.__getitems__(range(len(source)))]
-
-
-def _builder(config: str, data_dir: Path, make: Callable[[], list[dict]]):
-    """A TFDS builder of one "test" split of {"json": example as JSON text} records, in generation order."""
-    import tensorflow_datasets as tfds
-
-    class EvalBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
-        name = "mot_eval"
-        VERSION = tfds.core.Version("1.0.0")
-        code_path = None  # no checksums file to look for (as corpus.py)
-
-        def _info(self):
-            features = tfds.features.FeaturesDict({"json": tfds.features.Text()})
-            return tfds.core.DatasetInfo(builder=self, features=features, disable_shuffling=True)
-
-        def _split_generators(self, dl_manager):
-            return {"test": self._generate_examples()}
-
-        def _generate_examples(self):
-            yield from enumerate({"json": json.dumps(e)} for e in make())
-
-    return EvalBuilder(config=tfds.core.BuilderConfig(name=config), data_dir=str(data_dir), file_format="array_record")
 
 
 # ------------------------------------------------------------------------------------------ paper datasets
@@ -329,9 +310,9 @@ def _local_rows(name: str, path: Path) -> list[dict]:
 
             part = pq.read_table(file).to_pylist()
         elif file.suffix == ".json":
-            part = json.loads(jsonl.utf8(file, file.read_bytes()))
+            part = json.loads(utf8(file, file.read_bytes()))
         else:
-            part = [row for _, row in jsonl.json_lines(file)]
+            part = [row for _, row in json_lines(file)]
         if not isinstance(part, list) or not all(isinstance(row, dict) for row in part):
             raise MotJaxError(f"{file} is not a list of JSON objects; write one native {name} row per object.")
         rows += [{"subject": file.stem, **row} if name == "mmlu_redux" else row for row in part]

@@ -13,10 +13,10 @@ Any example may also carry "instruction" (a task instruction such as "Answer yes
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from mot_jax.errors import MotJaxError
+from mot_jax.files import json_lines
 
 SCHEMAS = {
     "extractive_qa": {"context": str, "question": str, "answers": list},
@@ -64,28 +64,6 @@ def check(example, task: str) -> str | None:
         if not _strings(answers) or example["answer"] not in answers or not set(answers) <= set(example["choices"]):
             return "has 'answers' that are not a list of its choices including its 'answer'"
     return None
-
-
-def utf8(path, data: bytes, first_line: int = 1) -> str:
-    """`data` (the file's text from line `first_line` on) decoded; bytes that are not UTF-8 are named by file:line."""
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = first_line + data[: e.start].count(b"\n")
-        raise MotJaxError(f"{path}:{line}: not UTF-8 text ({e.reason}); save the file as UTF-8.") from None
-
-
-def json_lines(path: Path):
-    """(line number, parsed value) of each non-blank line of a JSONL file; a malformed line is named by file:line."""
-    with path.open("rb") as f:
-        for number, raw in enumerate(f, 1):
-            line = utf8(path, raw, number)
-            if not line.strip():
-                continue
-            try:
-                yield number, json.loads(line)
-            except json.JSONDecodeError as e:
-                raise MotJaxError(f"{path}:{number}: not valid JSON ({e.msg}); fix that line.") from None
 
 
 def read_jsonl(path, task: str) -> list[dict]:

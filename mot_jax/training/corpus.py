@@ -30,12 +30,13 @@ import re
 import sys
 import sysconfig
 import textwrap
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
 
 from mot_jax.errors import MotJaxError, cause
+from mot_jax.files import json_lines
 from mot_jax.paths import cache_lock, cache_root
 from mot_jax.progress import Progress
 
@@ -115,32 +116,46 @@ def _quiet():
         logging.set_verbosity(verbosity)
 
 
-def _builder(config: str, data_dir: Path):
-    """The TFDS builder of our own corpora: one "train" split of {"text"} records in document order."""
+def one_split_builder(builder_name: str, split: str, feature: str, config: str, data_dir: Path, metadata=False):
+    """An unregistered TFDS builder `builder_name`/`config` under `data_dir` of one `split` of {`feature`: text}
+    records, unshuffled, in the order of `builder.records` (texts; set it before `download_and_prepare`): the form of
+    the datasets this project writes itself (local and docs_prose corpora, synthetic evaluation sets). `metadata`: the
+    info carries a MetadataDict to fill before preparing."""
     import tensorflow_datasets as tfds
 
-    class TextBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
-        name = "mot_text"
+    class OneSplitBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
+        name = builder_name
         VERSION = tfds.core.Version("1.0.0")
         code_path = None  # no checksums file to look for (TFDS's lookup needs importlib_resources in a package)
-        texts: list[str] = []
+        records: Iterable[str] = ()
 
         def _info(self):
-            features = tfds.features.FeaturesDict({"text": tfds.features.Text()})
-            return tfds.core.DatasetInfo(  # unshuffled: keep document order (the validation rule relies on it)
-                builder=self, features=features, metadata=tfds.core.MetadataDict(), disable_shuffling=True
-            )
+            features = tfds.features.FeaturesDict({feature: tfds.features.Text()})
+            extra = dict(metadata=tfds.core.MetadataDict()) if metadata else {}
+            return tfds.core.DatasetInfo(builder=self, features=features, disable_shuffling=True, **extra)
 
         def _split_generators(self, dl_manager):
-            return {"train": self._generate_examples()}
+            return {split: self._generate_examples()}
 
         def _generate_examples(self):
-            with Progress("Writing the corpus", "doc", total=len(self.texts)) as progress:
-                for i, text in enumerate(self.texts):
-                    yield i, {"text": text}
-                    progress.update()
+            yield from enumerate({feature: text} for text in self.records)
 
-    return TextBuilder(config=tfds.core.BuilderConfig(name=config), data_dir=str(data_dir), file_format="array_record")
+    return OneSplitBuilder(
+        config=tfds.core.BuilderConfig(name=config), data_dir=str(data_dir), file_format="array_record"
+    )
+
+
+def _builder(config: str, data_dir: Path):
+    """The builder of our own corpora: one "train" split of {"text"} records in document order (unshuffled: the
+    validation rule relies on it)."""
+    return one_split_builder("mot_text", "train", "text", config, data_dir, metadata=True)
+
+
+def _with_progress(texts: list[str]):
+    with Progress("Writing the corpus", "doc", total=len(texts)) as progress:
+        for text in texts:
+            yield text
+            progress.update()
 
 
 def prepared(make: Callable[[], object], build: Callable[[object], None]):
@@ -173,7 +188,7 @@ def _prepare(kind: str, files: list[Path], read: Callable[[], tuple[list[str], d
         builder.info.metadata.update(
             sources=sources, documents=len(texts), characters=sum(map(len, texts)), text_sha256=text_sha
         )
-        builder.texts = texts
+        builder.records = _with_progress(texts)
         with _quiet():
             builder.download_and_prepare()
 
@@ -266,19 +281,10 @@ def _read_txt(file: Path) -> list[str]:
 
 def _read_jsonl(file: Path) -> list[str]:
     texts = []
-    with file.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                raise MotJaxError(
-                    f"{file} line {number} is not JSON; write one JSON object with a 'text' field per line."
-                ) from None
-            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                raise MotJaxError(f"{file} line {number} has no 'text' string field; give every line a 'text' field.")
-            texts.append(record["text"])
+    for number, record in json_lines(file):
+        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+            raise MotJaxError(f"{file}:{number}: the line has no 'text' string field; give every line a 'text' field.")
+        texts.append(record["text"])
     return texts
 
 
