@@ -10,8 +10,7 @@ from mot_jax.evals import synthetic
 from mot_jax.evals.methods import Native, ShuffledSource, Stopwatch, Translated, held_bytes
 from mot_jax.evals.prompts import Settings, answer, batches, capacity_for
 from mot_jax.models.base import prefill
-from mot_jax.translate import align as alignment_lib
-from mot_jax.translate.translator import _translate_jit, source_prefill
+from mot_jax.translate.translator import read_source, source_prefill, translate_jit
 
 SUFFIX_ROOM = 64  # target positions a TTFT length leaves for the question suffix (besides the answer's)
 
@@ -53,15 +52,13 @@ def planned_bytes(models, method, contexts, suffix_ids, suffix_mask, settings: S
     programs = []
     if isinstance(method, Translated):
         spec = method.translator.spec
-        source_ids, source_mask, alignment = alignment_lib.align_batch(
-            models.target_tokenizer, models.source_tokenizer, contexts.ids, contexts.mask
-        )
-        topk, source_cache, source_topk = spec.attention_topk, None, None
-        if spec.reads_source:
-            source_cache, source_topk = source_prefill(models.source, source_ids, source_mask, topk=topk)
-            programs.append(source_prefill.lower(models.source, source_ids, source_mask, topk=topk))
-        programs.append(_translate_jit.lower(method.translator, models.source, models.target, source_cache, alignment,
-                                             contexts.ids, contexts.mask, source_topk, capacity=capacity))  # fmt: skip
+        tokenizers = (models.source_tokenizer, models.target_tokenizer)
+        read = read_source(spec, models.source, *tokenizers, contexts.ids, contexts.mask)
+        if read.cache is not None:
+            programs.append(source_prefill.lower(models.source, read.ids, read.mask, topk=spec.attention_topk))
+        programs.append(translate_jit.lower(method.translator, models.source, models.target, read.cache,
+                                            read.alignment, contexts.ids, contexts.mask, read.topk,
+                                            capacity=capacity))  # fmt: skip
     elif isinstance(method, Native):
         programs.append(prefill.lower(models.target, contexts.ids, contexts.mask, capacity=capacity))
     else:

@@ -13,6 +13,7 @@ Methods (all on the same examples, in one run):
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import jax
@@ -33,7 +34,7 @@ from mot_jax.evals.prompts import (
 )
 from mot_jax.models.base import generate, prefill
 from mot_jax.translate import align as alignment_lib
-from mot_jax.translate.translator import _translate_jit, source_prefill
+from mot_jax.translate.translator import SourceRead, read_source, translate_jit
 
 BASELINES = ("no_context", "native", "text_relay")
 
@@ -122,35 +123,21 @@ class Translated(Method):
         self.name, self.translator, self.workdir, self.step = name, translator, workdir, step
         self.load = {}  # "key" / "value" -> tokens routed to each expert, summed over the evaluation
 
-    def read_source(self, models, contexts, watch):
-        """The source's side of a batch: (source cache, its attention top-k, alignment onto the contexts' target
-        grid, source mask), the source having read the contexts' text."""
-        source_ids, source_mask, alignment = alignment_lib.align_batch(
-            models.target_tokenizer, models.source_tokenizer, contexts.ids, contexts.mask
-        )
-        if not self.translator.spec.reads_source:  # the source-free control: no source prefill, no cache
-            return None, None, alignment, source_mask
-        longest = int(source_mask.sum(1).max())
-        if longest > models.source.config.max_positions:
-            raise MotJaxError(
-                f"A context re-encodes to {longest} source tokens, more than the source model's "
-                f"{models.source.config.max_positions}; lower the context budget (--config.budgets) or shorten it."
-            )
-        bucket = -(-source_ids.shape[1] // BUCKET) * BUCKET
-        source_ids, source_mask, alignment = alignment_lib.pad_source(source_ids, source_mask, alignment, bucket)
-        topk = self.translator.spec.attention_topk
-        source_cache, source_topk = watch.lap(
-            "source_prefill", source_prefill(models.source, source_ids, source_mask, topk=topk)
-        )
-        return source_cache, source_topk, alignment, source_mask
+    def read_source(self, models, contexts, watch) -> SourceRead:
+        """The source's side of a batch, the source having read the contexts' text (no source runs for the
+        source-free control): its stage ends when the source's prefill is done."""
+        tokenizers = (models.source_tokenizer, models.target_tokenizer)
+        read = read_source(self.translator.spec, models.source, *tokenizers, contexts.ids, contexts.mask, BUCKET)
+        if read.cache is not None:
+            watch.lap("source_prefill", (read.cache, read.topk))
+        return read
 
-    def translate(self, models, contexts, read, capacity, watch):
+    def translate(self, models, contexts, read: SourceRead, capacity, watch):
         """(target cache, aux) of the translator writing the contexts' target grid from `read` (`read_source`)."""
-        source_cache, source_topk, alignment, _ = read
         return watch.lap(
             "translation",
-            _translate_jit(self.translator, models.source, models.target, source_cache, alignment, contexts.ids,
-                           contexts.mask, source_topk, capacity=capacity),
+            translate_jit(self.translator, models.source, models.target, read.cache, read.alignment, contexts.ids,
+                          contexts.mask, read.topk, capacity=capacity),
         )  # fmt: skip
 
     def handed(self, models, source_mask) -> np.ndarray:
@@ -164,7 +151,7 @@ class Translated(Method):
         for part in ("key", "value"):
             if "stats" in aux.get(part, {}):
                 self.load[part] = self.load.get(part, 0) + np.asarray(aux[part]["stats"]["load"], np.float64)
-        return cache, self.handed(models, read[3])
+        return cache, self.handed(models, read.mask)
 
 
 class ShuffledSource(Method):
@@ -193,11 +180,10 @@ class ShuffledSource(Method):
         if contexts.donors is None:
             raise MotJaxError(f"{self.name} needs another example's context per row; build batches with donors.")
         read = self.method.read_source(models, contexts.donors, watch)
-        source_cache, source_topk, alignment, source_mask = read
-        alignment = regrid(alignment, contexts.donors.mask, contexts.mask, source_mask)
-        cache, _ = self.method.translate(models, contexts, (source_cache, source_topk, alignment, source_mask),
-                                         capacity, watch)  # fmt: skip
-        return cache, self.method.handed(models, source_mask)
+        alignment = regrid(read.alignment, contexts.donors.mask, contexts.mask, read.mask)
+        read = dataclasses.replace(read, alignment=alignment)
+        cache, _ = self.method.translate(models, contexts, read, capacity, watch)
+        return cache, self.method.handed(models, read.mask)
 
 
 def regrid(alignment, donor_mask, mask, source_mask) -> alignment_lib.Alignment:

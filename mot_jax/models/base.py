@@ -209,7 +209,7 @@ class CausalLM(nnx.Module):
         if cache is None:
             cache, fresh = self.init_cache(batch, length), True
         if positions is None:
-            positions = cache.next_positions()[:, None] + jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
+            positions = cache.next_positions()[:, None] + positions_from_mask(mask)
         cache = cache.append_slots(positions, mask)
         x = self.embed(input_ids, positions)
 
@@ -236,6 +236,12 @@ class CausalLM(nnx.Module):
 
     def final_norm(self, x):
         return x
+
+
+def positions_from_mask(mask):
+    """[B, T] each token's position counting its row's valid tokens from 0 (padding before a row's first token
+    takes 0), for left and right padding."""
+    return jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
 
 
 def first_valid_index(mask):

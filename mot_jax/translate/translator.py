@@ -21,8 +21,9 @@ measure what they are worth).
 
 `KVTranslator` holds the trainable parameters (a K and a V mixture, or projector, and with `linear_skip` a linear map
 per window layer beside each, set by least squares before training: `linear_skip_sums`, `solve_linear_skip`);
-`translate` is the jittable function that training and evaluation share; `CacheTranslator` is the user-facing object
-that starts from text.
+`translate` is the jittable function that training and evaluation share; `read_source` is the source's side of a
+batch of contexts (alignment, then prefill) that evaluation and `CacheTranslator`, the user-facing object that starts
+from text, share.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ from flax import nnx
 from mot_jax.errors import MotJaxError
 from mot_jax.jit import jit
 from mot_jax.models import decoder
-from mot_jax.models.base import CausalLM, Injection, first_valid_index
+from mot_jax.models.base import CausalLM, Injection, first_valid_index, positions_from_mask
+from mot_jax.models.cache import KVCache
 from mot_jax.models.layers import apply_rope, param
 from mot_jax.translate import align as alignment_lib
 from mot_jax.translate import channels
@@ -182,10 +184,6 @@ def window_block(cache_kv, layers, positions=None, inv_freq=None):
     return x.reshape(*x.shape[:3], -1)
 
 
-def target_positions(mask):
-    return jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
-
-
 def first_token_kv(target: CausalLM, target_ids, first, layers):
     """The target's own K/V at `layers` of each row's first token (at index `first` [B]), each [W, B, Kt, 1, dt].
     The first token attends only to itself, so its K/V depend on that token alone (a BOS: the attention sink every
@@ -216,10 +214,10 @@ def run_native_bottom(spec: TranslationSpec, target: CausalLM, target_ids, mask,
     if spec.native_bottom:
         hidden, cache, _ = target.run_layers(target_ids, mask, cache=cache, fresh=True, stop=spec.native_bottom)
     else:
-        cache = cache.append_slots(target_positions(mask), mask)
+        cache = cache.append_slots(positions_from_mask(mask), mask)
     features = []
     if "embeddings" in spec.inputs:
-        features.append(rms_normalized(target.embed(target_ids, target_positions(mask))))
+        features.append(rms_normalized(target.embed(target_ids, positions_from_mask(mask))))
     if "hidden" in spec.inputs:
         features.append(rms_normalized(hidden))
     return cache, (jnp.concatenate(features, -1) if features else None)
@@ -254,7 +252,7 @@ def translate_window(translator: KVTranslator, source: CausalLM, target: CausalL
     k, v = heads(k), heads(v)  # [B, T, W, Kt, dt]
     _, target_freq = rotary_tables(spec, source, target)
     if target_freq is not None:
-        pos = target_positions(mask)
+        pos = positions_from_mask(mask)
         k = jnp.stack([apply_rope(k[:, :, i], pos, target_freq[li]) for i, li in enumerate(spec.target_layers)], 2)
     to_cache = lambda y: y.transpose(2, 0, 3, 1, 4).astype(target.param_dtype)
     return to_cache(k), to_cache(v), aux
@@ -272,7 +270,7 @@ def linear_skip_sums(translator: KVTranslator, source: CausalLM, target: CausalL
     inputs = window_inputs(spec, source, target, source_cache, alignment, features)
     _, target_freq = rotary_tables(spec, source, target)
     wanted = (
-        window_block(native.k, spec.target_layers, target_positions(mask), target_freq),
+        window_block(native.k, spec.target_layers, positions_from_mask(mask), target_freq),
         window_block(native.v, spec.target_layers),
     )
     weight = mask & (jnp.arange(mask.shape[1]) != first_valid_index(mask)[:, None])
@@ -368,10 +366,53 @@ def source_prefill(source, source_ids, source_mask, *, topk=0):
 
 
 @jit(static_argnames=("capacity",))
-def _translate_jit(translator, source, target, source_cache, alignment, target_ids, target_mask, source_topk, *,
-                   capacity=None):  # fmt: skip
+def translate_jit(translator, source, target, source_cache, alignment, target_ids, target_mask, source_topk, *,
+                  capacity=None):  # fmt: skip
+    """`translate`, jitted: (the target cache, the aux outputs)."""
     return translate(translator, source, target, source_cache, alignment, target_ids, target_mask, source_topk,
                      capacity)  # fmt: skip
+
+
+def runs_source(spec: TranslationSpec) -> bool:
+    """Whether translating needs the source to read the context: for its K/V (`reads_source`) or, in sparse replay,
+    for its attention. The source-free control runs no source at all, so none of it can leak in."""
+    return spec.reads_source or bool(spec.attention_topk)
+
+
+@dataclasses.dataclass
+class SourceRead:
+    """The source's side of a batch of target contexts (`read_source`): what `translate` takes from the source."""
+
+    ids: np.ndarray  # [B, S] the source's tokens of the contexts' text, right-padded
+    mask: np.ndarray  # [B, S]
+    alignment: alignment_lib.Alignment  # the source tokens onto the target grid
+    cache: KVCache | None = None  # the source's prefill of `ids`; None when the translator runs no source
+    topk: jax.Array | None = None  # its attention's top-k key indices [Ls, B, S, k] for sparse replay, else None
+
+
+def read_source(
+    spec: TranslationSpec, source: CausalLM, source_tokenizer, target_tokenizer, target_ids, target_mask, bucket=None
+) -> SourceRead:
+    """The source's side of a batch of right-padded target contexts: the source re-encodes their text (as the target
+    tokenizer decodes it), its tokens are aligned onto the target's, and it prefills them (with its attention's top-k
+    keys for sparse replay) unless `runs_source(spec)` says the translator needs nothing of it. `bucket` pads the
+    source tokens to a multiple of it, so that jitted programs compile once per bucket rather than per batch."""
+    source_ids, source_mask, alignment = alignment_lib.align_batch(
+        target_tokenizer, source_tokenizer, np.asarray(target_ids), np.asarray(target_mask)
+    )
+    if not runs_source(spec):
+        return SourceRead(source_ids, source_mask, alignment)
+    longest = int(source_mask.sum(1).max())
+    if longest > source.config.max_positions:
+        raise MotJaxError(
+            f"A context re-encodes to {longest} source tokens, more than the source model's "
+            f"{source.config.max_positions}; shorten it (in evaluation: lower the context budget, --config.budgets)."
+        )
+    if bucket:
+        length = -(-source_ids.shape[1] // bucket) * bucket
+        source_ids, source_mask, alignment = alignment_lib.pad_source(source_ids, source_mask, alignment, length)
+    cache, topk = source_prefill(source, source_ids, source_mask, topk=spec.attention_topk)
+    return SourceRead(source_ids, source_mask, alignment, cache, topk)
 
 
 class CacheTranslator:
@@ -395,23 +436,21 @@ class CacheTranslator:
 
     def from_target_ids(self, target_ids, target_mask, capacity=None):
         """The target cache of a padded batch of target-tokenized contexts (the source reads the same text)."""
-        source_ids, source_mask, alignment = alignment_lib.align_batch(
-            self.target_tokenizer, self.source_tokenizer, np.asarray(target_ids), np.asarray(target_mask)
+        read = read_source(
+            self.translator.spec, self.source, self.source_tokenizer, self.target_tokenizer, target_ids, target_mask
         )
-        spec = self.translator.spec
-        topk = spec.attention_topk
-        source_cache, source_topk = source_prefill(
-            self.source, jnp.asarray(source_ids), jnp.asarray(source_mask), topk=topk
-        )
-        return self.from_source_cache(source_cache, alignment, target_ids, target_mask, source_topk, capacity)
+        return self.from_source_cache(read.cache, read.alignment, target_ids, target_mask, read.topk, capacity)
 
     def from_source_cache(self, source_cache, alignment, target_ids, target_mask, source_topk=None, capacity=None):
-        if source_cache.k.shape[1] != np.shape(target_ids)[0]:
+        """The target cache of a padded batch of target contexts from the source's cache of the same text (None for
+        a translator that reads no source), its alignment onto the target tokens and, for sparse replay, its
+        attention's top-k keys."""
+        if source_cache is not None and source_cache.k.shape[1] != np.shape(target_ids)[0]:
             raise MotJaxError(
                 f"The source cache holds {source_cache.k.shape[1]} sequences but {np.shape(target_ids)[0]} target "
                 "contexts were given; pass one target context per source sequence."
             )
-        cache, _ = _translate_jit(
+        cache, _ = translate_jit(
             self.translator, self.source, self.target, source_cache, alignment, jnp.asarray(target_ids),
             jnp.asarray(target_mask), source_topk, capacity=capacity,
         )  # fmt: skip
