@@ -1,10 +1,12 @@
 """The torch translator (mot_jax.export.torch_translator) against the JAX modules: mixtures, routers, whole window."""
 
 import ast
+import dataclasses
 import json
 import os
 import subprocess
 import sys
+from dataclasses import MISSING
 from pathlib import Path
 
 import jax
@@ -245,6 +247,24 @@ def test_config_is_plain_json(models):
     assert config["mode"] == "direct" and config["target_layers"] == [0, 1, 2, 3] and config["target_rotary"]
     names = translator_tensors(translator)
     assert "key.router.out.kernel" not in names and all(v.dtype == np.float32 for v in names.values())
+
+
+def test_torch_config_mirrors_the_jax_fields_and_defaults():
+    jax_fields = {f.name: f for cls in (TranslatorConfig, TranslationSpec) for f in dataclasses.fields(cls)}
+    torch_fields = {f.name: f for f in dataclasses.fields(torch_translator.TorchTranslatorConfig)}
+    # deliberately absent: the export refuses translators with native_bottom or inputs other than their defaults
+    assert jax_fields.keys() - torch_fields.keys() == {"native_bottom", "inputs"}
+    # and the torch side adds the models' cache shapes, which translator_config writes beside the fields
+    shapes = {f"{side}_{name}" for side in ("source", "target") for name in ("num_layers", "kv_heads", "head_dim")}
+    assert torch_fields.keys() - jax_fields.keys() == shapes | {"source_rotary", "target_rotary"}
+    shared = jax_fields.keys() & torch_fields.keys()
+    defaulted = {n for n in shared if jax_fields[n].default is not MISSING}
+    defaults = lambda fields: {n: fields[n].default for n in defaulted}
+    assert defaults(torch_fields) == defaults(jax_fields)
+    # required in JAX and given a default in torch (every export writes them): the replay's mode and layer map
+    required = lambda fields: {n for n in shared if fields[n].default is MISSING}
+    assert required(jax_fields) - required(torch_fields) == {"mode", "layer_map"}
+    assert not required(torch_fields) - required(jax_fields)
 
 
 def test_load_errors(exported, tmp_path):

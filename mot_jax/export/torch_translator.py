@@ -35,7 +35,11 @@ MASK_VALUE = -1e30  # finite: a query with no visible key gets a uniform softmax
 
 @dataclasses.dataclass(frozen=True)
 class TorchTranslatorConfig:
-    """The exported config.json: TranslatorConfig and TranslationSpec fields and the two models' cache shapes."""
+    """The exported config.json: TranslatorConfig and TranslationSpec fields and the two models' cache shapes.
+
+    Mirrors the JAX fields and their defaults (tests/test_export_torch.py checks that they agree), less
+    `native_bottom` and `inputs`, which the export accepts only at their defaults (0 and source alone).
+    """
 
     source_width: int  # source kv_heads * head_dim
     target_width: int  # target kv_heads * head_dim

@@ -6,7 +6,6 @@ side loads them with `KVTranslator.from_pretrained(folder)` and imports no JAX.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -51,15 +50,14 @@ def translator_tensors(translator, source=None, target=None) -> dict[str, np.nda
 
 def translator_config(translator, source, target) -> dict:
     """JSON-serialisable: the TranslatorConfig and TranslationSpec fields and the two models' cache shapes."""
-    lists = lambda d: {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
-    spec = dataclasses.asdict(translator.spec)
+    spec = translator.spec.to_dict()
     if spec.pop("native_bottom") or tuple(spec.pop("inputs")) != ("source",) or translator.cfg.kind == "linear":
         raise MotJaxError(
             "The PyTorch export covers mixtures and projectors that read the source alone (native_bottom=0, "
             "inputs='source'); evaluate this translator in JAX."
         )
     out = {"format": FORMAT, "format_version": 1}
-    out |= lists(dataclasses.asdict(translator.cfg)) | lists(spec)
+    out |= translator.cfg.to_dict() | spec
     for side, model in (("source", source), ("target", target)):
         cfg = _config(model)
         out |= {f"{side}_num_layers": cfg.num_layers, f"{side}_kv_heads": cfg.num_kv_heads}

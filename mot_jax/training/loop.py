@@ -148,8 +148,8 @@ def identity(config, spec: TranslationSpec, tcfg: TranslatorConfig, pair: Pair) 
                 target=config.target,
                 source_model=dataclasses.asdict(pair.source.config),
                 target_model=dataclasses.asdict(pair.target.config),
-                translator=dataclasses.asdict(tcfg),
-                spec=dataclasses.asdict(spec),
+                translator=tcfg.to_dict(),
+                spec=spec.to_dict(),
             ),
             default=str,
         )
@@ -376,16 +376,10 @@ def resolve_channels(config, pair, datasets, mesh, workdir) -> channels.ChannelM
     )  # fmt: skip
 
 
-# TranslatorConfig and TranslationSpec fields added after runs were saved, with the value those runs had, so that
-# they still resume
-ADDED_TRANSLATOR_FIELDS = {"kind": "mot", "linear_skip": False}
-ADDED_SPEC_FIELDS = {"native_bottom": 0, "inputs": ["source"]}
-
-
 def check_identity(saved: dict, current: dict, workdir: epath.Path):
     saved = saved | {
-        "translator": ADDED_TRANSLATOR_FIELDS | saved.get("translator", {}),
-        "spec": ADDED_SPEC_FIELDS | saved.get("spec", {}),
+        "translator": TranslatorConfig.with_added_fields(saved.get("translator", {})),
+        "spec": TranslationSpec.with_added_fields(saved.get("spec", {})),
     }
     differ = sorted(k for k in current if saved.get(k) != current[k])
     if differ:

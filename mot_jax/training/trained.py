@@ -34,12 +34,12 @@ class Trained:
 
 
 def _tuples(value):
-    """JSON lists back to the tuples the frozen config dataclasses hold."""
+    """JSON lists back to the (nested) tuples a frozen ModelConfig holds."""
     return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
 
 
-def _dataclass(cls, fields: dict):
-    return cls(**{k: _tuples(v) for k, v in fields.items()})
+def _model_config(fields: dict) -> ModelConfig:
+    return ModelConfig(**{k: _tuples(v) for k, v in fields.items()})
 
 
 def load_trained(workdir, which: str | int = "last", **spec_changes) -> Trained:
@@ -66,8 +66,8 @@ def load_trained(workdir, which: str | int = "last", **spec_changes) -> Trained:
     step = max(steps) if step is None else step
     meta = checkpoints.read_meta(step, which)
     identity = meta["identity"]
-    spec = dataclasses.replace(_dataclass(TranslationSpec, identity["spec"]), **spec_changes)
-    tcfg = _dataclass(TranslatorConfig, identity["translator"])
+    spec = dataclasses.replace(TranslationSpec.from_dict(identity["spec"]), **spec_changes)
+    tcfg = TranslatorConfig.from_dict(identity["translator"])
     config = ml_collections.ConfigDict(json.loads(meta["config"]))
     abstract = nnx.eval_shape(lambda: KVTranslator(spec, tcfg, rngs=nnx.Rngs(0)))
     graphdef, params = nnx.split(abstract, nnx.Param)
@@ -82,8 +82,8 @@ def load_trained(workdir, which: str | int = "last", **spec_changes) -> Trained:
     return Trained(
         translator=nnx.merge(graphdef, restored["params"]),
         config=config,
-        source_config=_dataclass(ModelConfig, identity["source_model"]),
-        target_config=_dataclass(ModelConfig, identity["target_model"]),
+        source_config=_model_config(identity["source_model"]),
+        target_config=_model_config(identity["target_model"]),
         step=step,
         meta=meta,
     )

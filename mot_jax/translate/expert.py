@@ -50,6 +50,21 @@ class TranslatorConfig:
     def router_hidden(self):
         return max(64, min(self.dim, self.window * self.source_width))
 
+    def to_dict(self) -> dict:
+        """Every field, JSON-ready: what a checkpoint's identity and an export's config.json hold."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, saved: dict) -> TranslatorConfig:
+        """Back from `to_dict()`, also as saved before later fields existed (`with_added_fields`)."""
+        return cls(**cls.with_added_fields(saved))
+
+    @staticmethod
+    def with_added_fields(saved: dict) -> dict:
+        """A saved dict plus the fields added after runs were saved, at the value those runs had, so that they
+        still resume and load (fixed here: a later change of a default must not change an old run)."""
+        return dict(kind="mot", linear_skip=False) | saved
+
     def capacities(self, length):
         """Sparse dispatch's query slot counts per expert and row below `length`, smallest first: the factor's
         ceil(factor * k * T / N), then twice that (a step whose busiest queue fits neither runs the dense path)."""

@@ -90,6 +90,22 @@ class TranslationSpec:
         """Keys per query the replay takes from the source's attention; 0 when the target attends densely."""
         return self.k_attn if self.mode == "replay" and self.sparse_attention else 0
 
+    def to_dict(self) -> dict:
+        """Every field, JSON-ready (tuples as lists): what a checkpoint's identity and an export's config.json hold."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
+
+    @classmethod
+    def from_dict(cls, saved: dict) -> TranslationSpec:
+        """Back from `to_dict()` (JSON lists to tuples), also as saved before later fields existed
+        (`with_added_fields`)."""
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in cls.with_added_fields(saved).items()})
+
+    @staticmethod
+    def with_added_fields(saved: dict) -> dict:
+        """A saved dict (JSON form) plus the fields added after runs were saved, at the value those runs had, so
+        that they still resume and load (fixed here: a later change of a default must not change an old run)."""
+        return dict(native_bottom=0, inputs=["source"]) | saved
+
     @classmethod
     def build(cls, mode, channel_map, num_source_layers, num_target_layers, native_bottom=0, inputs=("source",),
               **kwargs):  # fmt: skip
