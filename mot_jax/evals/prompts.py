@@ -4,8 +4,9 @@ Protocol (reference §6, with its quirks fixed): the prefix "instruction + Passa
 over (cached, translated or summarised); the suffix "Question: ... Answer:" is read by the target after it, tokenized
 without special tokens (no BOS in the middle); greedy decoding, cut at the first line break or prompt marker.
 
-Here: the prompt text, its tokens, the padded batches of contexts and suffixes (`batches`) and the jitted reading
-of a suffix after a context cache (`answer`, `choice_logprob`). The methods that build the cache: `methods`.
+Here: the prompt text, its tokens, the padded batches of contexts and suffixes (`batches`) and the jitted scoring
+of options after a context cache (`choice_logprob`; greedy answers: `mot_jax.models.base.generate_from_cache`). The
+methods that build the cache: `methods`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import numpy as np
 
 from mot_jax.errors import MotJaxError
 from mot_jax.jit import jit
-from mot_jax.models.base import greedy_continue, last_valid_index
+from mot_jax.models.base import last_valid_index
 from mot_jax.translate import align as alignment_lib
 
 INSTRUCTIONS = {
@@ -81,14 +82,6 @@ def decode_answers(tokenizer, tokens, eos_ids) -> list[str]:
         stop = [i for i, t in enumerate(row) if t in eos_ids]
         rows.append(row[: stop[0]] if stop else row)
     return backend.decode_batch(rows, skip_special_tokens=True)
-
-
-@jit(static_argnames=("max_new_tokens", "eos_ids"))
-def answer(target, cache, suffix_ids, suffix_mask, *, max_new_tokens, eos_ids=None):
-    """Greedy answers [B, max_new_tokens] of the target reading the suffix after a context cache."""
-    hidden, cache = target.hidden_states(suffix_ids, suffix_mask, cache=cache)
-    logits = target.unembed(hidden[jnp.arange(hidden.shape[0]), last_valid_index(suffix_mask)])
-    return greedy_continue(target, logits, cache, max_new_tokens, eos_ids)
 
 
 @jit

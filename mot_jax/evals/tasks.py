@@ -13,7 +13,6 @@ from mot_jax.evals.methods import ShuffledSource, Stopwatch, TextRelay, Translat
 from mot_jax.evals.prompts import (
     SUFFIX_BUCKET,
     Settings,
-    answer,
     batches,
     capacity_for,
     choice_logprob,
@@ -23,6 +22,7 @@ from mot_jax.evals.prompts import (
     suffix_text,
     token_ids,
 )
+from mot_jax.models.base import generate_from_cache
 
 
 @dataclasses.dataclass
@@ -67,8 +67,9 @@ def evaluate_examples(models, methods, examples, settings: Settings, progress=No
         for method in methods:
             watch = Stopwatch()
             cache, handed = method.build(models, contexts, capacity, watch)
-            out = watch.lap("answer", answer(models.target, cache, suffix_ids, suffix_mask,
-                                             max_new_tokens=settings.max_new_tokens, eos_ids=eos))  # fmt: skip
+            out = watch.lap("answer", generate_from_cache(
+                models.target, cache, suffix_ids, suffix_mask, max_new_tokens=settings.max_new_tokens, eos_ids=eos
+            ))  # fmt: skip
             texts = decode_answers(models.target_tokenizer, out, eos)
             scores = options.scores(models.target, cache) if closed else None
             row = rows[method.name]
@@ -147,8 +148,8 @@ def evaluate_agents(models, methods, documents, settings: Settings, progress=Non
         for method in methods:
             cache, _ = method.build(models, contexts, capacity, Stopwatch())
             for k, (suffix_ids, suffix_mask) in enumerate(suffixes):  # every agent reuses the one cache
-                out = answer(models.target, cache, suffix_ids, suffix_mask, max_new_tokens=settings.max_new_tokens,
-                             eos_ids=eos)  # fmt: skip
+                out = generate_from_cache(models.target, cache, suffix_ids, suffix_mask,
+                                          max_new_tokens=settings.max_new_tokens, eos_ids=eos)  # fmt: skip
                 docs = documents[index * settings.batch_size :][: len(contexts.examples)]
                 texts = decode_answers(models.target_tokenizer, out, eos)
                 for b, (text, doc) in enumerate(zip(texts, docs)):

@@ -305,3 +305,15 @@ def generate(model, input_ids, attention_mask=None, *, max_new_tokens, eos_ids=N
     """
     logits, cache = _prefill(model, input_ids, attention_mask, input_ids.shape[1] + max_new_tokens)
     return greedy_continue(model, logits, cache, max_new_tokens, eos_ids)
+
+
+@jit(static_argnames=("max_new_tokens", "eos_ids"))
+def generate_from_cache(model, cache, input_ids, attention_mask=None, *, max_new_tokens, eos_ids=None):
+    """Greedy decoding after a cache that already holds a context (e.g. a translated one): the model reads
+    `input_ids` [B, T] (a question; padding per `attention_mask`) after it, then decodes. The cache needs room for
+    them and the answer (capacity >= its tokens + T + max_new_tokens). Returns [B, max_new_tokens] token ids (see
+    `greedy_continue` for the end-of-sequence rule)."""
+    mask = jnp.ones(input_ids.shape, bool) if attention_mask is None else attention_mask
+    hidden, cache = model.hidden_states(input_ids, mask, cache=cache)
+    logits = model.unembed(hidden[jnp.arange(hidden.shape[0]), last_valid_index(mask)])
+    return greedy_continue(model, logits, cache, max_new_tokens, eos_ids)
