@@ -48,8 +48,3 @@ def shard(module, mesh, rules=RULES):
         sharding = NamedSharding(mesh, spec(names, rules, var.shape, mesh))
         var.set_value(jax.device_put(var[...], sharding))
     return module
-
-
-def batch_sharding(mesh, ndim) -> NamedSharding:
-    """Inputs: leading batch axis over `data`, the rest replicated."""
-    return NamedSharding(mesh, PartitionSpec("data", *([None] * (ndim - 1))))

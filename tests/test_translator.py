@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from hf_reference import CONFIGS, save_tiny
+from jax.sharding import NamedSharding
 
 from mot_jax import sharding
 from mot_jax.errors import MotJaxError
@@ -157,7 +158,7 @@ def test_sharded_translation_equals_unsharded(models):
     mesh = sharding.make_mesh(data=2, expert=2, devices=jax.devices()[:4])
     sharded = sharding.shard(make_translator(source, target, mode="direct"), mesh)
     fsdp_target = sharding.shard(nnx.clone(target), mesh, sharding.FSDP_RULES)
-    put = lambda a: jax.device_put(a, sharding.batch_sharding(mesh, a.ndim))
+    put = lambda a: jax.device_put(a, NamedSharding(mesh, sharding.spec(("batch",))))  # rows over `data`
     got = step(sharded, source, fsdp_target, put(ids), put(mask), alignment)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
 

@@ -4,7 +4,6 @@ alternating sliding-window (local RoPE base) and global layers, query_pre_attn_s
 from __future__ import annotations
 
 from mot_jax.models import decoder
-from mot_jax.models.decoder import RotaryLM as Model  # noqa: F401
 from mot_jax.models.decoder import hf_table  # noqa: F401
 
 BASE_PREFIX = decoder.BASE_PREFIX

@@ -338,16 +338,6 @@ def resolve_gguf(name_or_path: str) -> Path | None:
     return None
 
 
-def load_gguf_file(path, dtype="float32"):
-    """(model, HF config dict, cache dir) of a llama or gemma3 GGUF file; fp32 or bf16."""
-    return convert(path, dtype=dtype)
-
-
-def load_embedded(name: str, dtype="float32"):
-    """(model, HF config dict, cache dir) of an embedded model ("smollm2-135m" or "gemma3-270m"); fp32 or bf16."""
-    return convert(embedded_gguf_path(name), name, dtype)
-
-
 def load_tokenizer(name_or_dir):
     """A `tokenizers.Tokenizer` of an embedded model name, a GGUF file or a cache directory."""
     from tokenizers import Tokenizer

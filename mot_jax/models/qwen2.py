@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from mot_jax.models import decoder
-from mot_jax.models.decoder import RotaryLM as Model  # noqa: F401
 from mot_jax.models.decoder import hf_table  # noqa: F401
 
 BASE_PREFIX = decoder.BASE_PREFIX
