@@ -173,9 +173,7 @@ class Trainer:
         self.state = dict(params=params, opt_state=jax.jit(self.tx.init)(params), rng=rng)
         self.topk = spec.attention_topk
         self.compute_dtype = resolve_dtype(config.dtype)
-        self.weights = objective.LossWeights(
-            config.loss.correction_weight, config.loss.load_balance_weight, config.loss.z_loss_weight
-        )
+        self.weights = objective.LossWeights.from_config(config.loss)
         replicated = NamedSharding(mesh, PartitionSpec())
         named = lambda x: x.sharding if isinstance(x.sharding, NamedSharding) else replicated
         state_sharding = jax.tree.map(named, self.state)  # fixed, so the step compiles once
