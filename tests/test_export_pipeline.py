@@ -1,7 +1,9 @@
 """The exported translator driving Hugging Face transformers models: caches and greedy tokens equal mot_jax's."""
 
 import json
+import os
 import shutil
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -25,11 +27,13 @@ NEW_TOKENS = 20
 
 
 def hf_model(name, tmp_path):
-    """The tiny random mot_jax model as a transformers model (eager attention), and the mot_jax model."""
+    """The tiny random mot_jax model as a transformers model (eager attention, its folder in `name_or_path`), and the
+    mot_jax model and tokenizer (also in the folder, as tokenizer.json)."""
     model, config, tokenizer = tiny.load(name)
     folder = tmp_path / name.replace(":", "_")
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(config))
+    tokenizer.save(str(folder / "tokenizer.json"))
     save_file({k: np.ascontiguousarray(v) for k, v in hf_state_dict(model).items()}, str(folder / "model.safetensors"))
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         str(folder), attn_implementation="eager", dtype=torch.float32
@@ -136,8 +140,9 @@ def test_the_transformers_pipeline_imports_no_jax():
 
 @pytest.mark.slow
 def test_offline_real_pair_in_transformers_equals_mot_jax(tmp_path):
-    """SmolLM2-135M -> Gemma-3-270M (the converted GGUF checkpoints as transformers directories), sparse replay."""
-    from mot_jax.models.gguf import convert, embedded_gguf_path, load_tokenizer
+    """SmolLM2-135M -> Gemma-3-270M (the folders mot_jax converted the GGUF files into, found by `from_export`),
+    sparse replay."""
+    from mot_jax.models.gguf import load_tokenizer
     from mot_jax.models.loading import load_model
 
     names = ("smollm2-135m", "gemma3-270m")
@@ -149,18 +154,12 @@ def test_offline_real_pair_in_transformers_equals_mot_jax(tmp_path):
     capacity = ids.shape[1] + suffix.shape[1] + NEW_TOKENS
     ct = CacheTranslator(source, target, source_tok, target_tok, translator)
     expected = jax_greedy(target, ct.from_target_ids(ids, np.ones(ids.shape, bool), capacity=capacity), suffix)
-    weights.export(translator, source, target, tmp_path / "exported")
-    hf = [
-        transformers.AutoModelForCausalLM.from_pretrained(
-            str(convert(embedded_gguf_path(n), n, load=False)[2]), attn_implementation="eager"
-        ).float().eval()
-        for n in names
-    ]  # fmt: skip
-    pipe = CachePipeline(*hf, source_tok, target_tok, TorchKVTranslator.from_pretrained(tmp_path / "exported"))
+    extra = dict(source=names[0], target=names[1], dtype="float32")  # as python -m mot_jax.export names them
+    pipe = CachePipeline.from_export(weights.export(translator, source, target, tmp_path / "exported", extra))
     cache = pipe.from_target_ids(ids, np.ones(ids.shape, bool))
     full = torch.as_tensor(np.concatenate([ids, suffix], 1), dtype=torch.long)
-    out = hf[1].generate(full, attention_mask=torch.ones_like(full), cache=cache, max_new_tokens=NEW_TOKENS,
-                         do_sample=False)  # fmt: skip
+    out = pipe.target.generate(full, attention_mask=torch.ones_like(full), cache=cache, max_new_tokens=NEW_TOKENS,
+                               do_sample=False)  # fmt: skip
     got = out[0, full.shape[1] :].tolist()
     assert got == expected[: len(got)] and len(got) >= NEW_TOKENS // 2, (got, expected)
 
@@ -196,3 +195,47 @@ def test_every_row_of_a_mixed_length_batch_generates_as_it_does_alone(models, mo
     batched = greedy(texts)
     for row, text in enumerate(texts):
         assert batched[row] == greedy([text])[0], (row, batched, greedy([text]))
+
+
+def test_from_export_loads_the_models_and_tokenizers_its_config_names(models, tmp_path, monkeypatch):
+    """The export's config names the source by its folder and the target as an embedded model, which mot_jax
+    converted into `$MOT_JAX_CACHE/<name>-<key>/`: `from_export` builds the pipeline that its constructor builds from
+    those models, tokenizers and translator. `random:` names have no folder; `source=` / `target=` replace names."""
+    (source, source_hf, source_tok), (target, target_hf, target_tok) = models["random:llama"], models["random:gemma3"]
+    cache_root = tmp_path / "cache"
+    monkeypatch.setenv("MOT_JAX_CACHE", str(cache_root))
+    converted = cache_root / "gemma3-270m-0123456789ab"
+    shutil.copytree(target_hf.name_or_path, converted)
+    gguf_file = tmp_path / "gemma.gguf"  # the GGUF file it was converted from
+    gguf_file.touch()
+    (converted / "manifest.json").write_text(json.dumps(dict(source=str(gguf_file))))  # written last: it finished
+    (cache_root / "gemma3-270m-ba9876543210").mkdir()  # a conversion that did not finish: passed over
+    gone = cache_root / "gemma3-270m-ffffffffffff"  # a newer one of another install, since removed: passed over
+    gone.mkdir()
+    (gone / "manifest.json").write_text(json.dumps(dict(source=str(tmp_path / "removed" / "gemma.gguf"))))
+    os.utime(converted / "manifest.json", (1e9, 1e9))
+    spec = TranslationSpec.build("replay", channels.terminal(4, 4, 0.5), 4, 4, k_attn=4, dense_bottom=1)
+    cfg = mixture_config(spec, source, target, dim=32, heads=4, depth=1, mlp_ratio=2, num_experts=2, dispatch="dense")
+    translator = KVTranslator(spec, cfg, rngs=nnx.Rngs(3))
+    names = dict(source=source_hf.name_or_path, target="gemma3-270m", dtype="float32")
+    pipe = CachePipeline.from_export(weights.export(translator, source, target, tmp_path / "exported", names))
+    assert (Path(pipe.source.name_or_path), Path(pipe.target.name_or_path)) == (Path(source_hf.name_or_path), converted)
+    assert not (pipe.source.training or pipe.target.training) and pipe.target.dtype == torch.float32
+    by_hand = CachePipeline(
+        source_hf, target_hf, source_tok, target_tok, TorchKVTranslator.from_pretrained(tmp_path / "exported")
+    )
+    (cache, ids, mask), (want, want_ids, want_mask) = pipe.from_text([SHORT, TEXT]), by_hand.from_text([SHORT, TEXT])
+    assert torch.equal(ids, want_ids) and torch.equal(mask, want_mask)
+    for layer, want_layer in zip(cache.layers, want.layers, strict=True):
+        torch.testing.assert_close(layer.keys, want_layer.keys, rtol=0, atol=0)
+        torch.testing.assert_close(layer.values, want_layer.values, rtol=0, atol=0)
+
+    random_names = weights.export(translator, source, target, tmp_path / "random", dict(source="random:llama"))
+    with pytest.raises(ValueError, match="tiny random mot_jax model"):
+        CachePipeline.from_export(random_names)
+    with pytest.raises(ValueError, match="names no target model"):
+        CachePipeline.from_export(random_names, source=source_hf.name_or_path)
+    with pytest.raises(ValueError, match="neither a folder, a model converted into .* nor a hub id"):
+        CachePipeline.from_export(random_names, source="no-such-model", target=str(converted))  # the hub is off
+    pipe = CachePipeline.from_export(random_names, source=source_hf.name_or_path, target="gemma3-270m")
+    assert Path(pipe.target.name_or_path) == converted

@@ -1,7 +1,8 @@
 """Translated caches for Hugging Face transformers models: torch, transformers and numpy only (no JAX).
 
-    translator = KVTranslator.from_pretrained("exported/")              # written by python -m mot_jax.export
-    pipe = CachePipeline(source, target, source_tokenizer, target_tokenizer, translator)
+    pipe = CachePipeline.from_export("exported/")  # written by python -m mot_jax.export; loads the models it names
+    # or, with your own models (eager attention) and tokenizers:
+    # pipe = CachePipeline(source, target, source_tokenizer, target_tokenizer, KVTranslator.from_pretrained(...))
     cache, ids, mask = pipe.from_text(["The passage ...", "Another ..."])  # a DynamicCache, left-padded rows
     ones = torch.ones_like(question_ids)                                 # the same question [B, Q] for every row
     out = target.generate(torch.cat([ids, question_ids], 1), attention_mask=torch.cat([mask, ones], 1),
@@ -17,22 +18,32 @@ back is left-padded, the layout transformers' batched generation expects: every 
 so the tokens that follow continue it at the same slot in every row and a sliding layer's last slots are each row's
 own. `left_padded` gives the ids and mask of that layout; pass the mask to `generate`. The models must use eager
 attention (`attn_implementation="eager"`): the source's attention weights pick the sparse keys.
+
+`from_export` finds the models a training run named (`model_folder`): a folder as is, an embedded model or GGUF file
+in the folder mot_jax converted it into (`$MOT_JAX_CACHE/<name>-<key>/`, default `~/.cache/mot_jax`), a hub id
+fetched as mot_jax fetches it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
+import re
 import sys
+from pathlib import Path
 
 import numpy as np
 import torch
+import transformers
 from transformers import AttentionInterface, DynamicCache
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
 
-from mot_jax.export.torch_translator import KVTranslator
+from mot_jax.export.torch_translator import CONFIG_FILE, KVTranslator
+from mot_jax.paths import cache_root
 from mot_jax.translate.align import align_batch, encode_texts
 
 ATTENTION = "mot_replay"
+HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken"]  # what mot_jax fetches of a hub model
 _replay = None  # the injection of the replay that is running (layer -> translated K/V, sparse masks)
 
 
@@ -128,6 +139,65 @@ def allowed_keys(indices, length):
     return allowed.scatter_(-1, clipped, True)[..., :length]
 
 
+def converted_folder(name: str) -> Path | None:
+    """The folder mot_jax converted an embedded model (`name`, e.g. "smollm2-135m") or a GGUF file (a `.gguf` path)
+    into, a transformers folder (config.json, model.safetensors, tokenizer.json): `cache_root()/<name or file
+    stem>-<key>/` (`mot_jax.models.gguf.convert`; the key follows the GGUF file's path, size and date). Of the
+    complete ones (a conversion writes its manifest last), the newest whose GGUF file is still there (another
+    install of the same package leaves a folder of its own), else the newest; None when there is none."""
+    gguf_file = str(Path(name).expanduser()) if name.endswith(".gguf") else None
+    stem = Path(name).stem if gguf_file else name
+    pattern = re.compile(re.escape(stem) + "-[0-9a-f]{12}")
+    found = []
+    for folder in cache_root().glob("*-*"):
+        manifest = folder / "manifest.json"
+        if not (pattern.fullmatch(folder.name) and manifest.is_file()):
+            continue
+        source = json.loads(manifest.read_text()).get("source")
+        if gguf_file is None or source == gguf_file:
+            found.append((bool(source) and Path(source).is_file(), manifest.stat().st_mtime, folder))
+    return max(found, default=(None, None, None))[2]
+
+
+def model_folder(name: str) -> Path:
+    """The transformers folder of a model as a mot_jax training config names it: a folder as is; an embedded model
+    or GGUF file: its converted folder (`converted_folder`); else a hub id, fetched (or found in the hub's cache)."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return path
+    if name.startswith("random:"):
+        raise ValueError(
+            f"{name!r} is a tiny random mot_jax model, which has no transformers folder; pass the source and target "
+            "folders (source=..., target=...)."
+        )
+    converted = converted_folder(name)
+    if converted is not None:
+        return converted
+    convert = f"`python -m mot_jax.convert --model={name}` converts an embedded model or a GGUF file there once"
+    if name.endswith(".gguf"):
+        raise ValueError(f"{name} has no converted folder in {cache_root()}; {convert}.")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(name, allow_patterns=HUB_FILES))
+    except Exception as e:  # no network, unknown id, gated repo ...
+        raise ValueError(
+            f"Model {name!r} is neither a folder, a model converted into {cache_root()} ({convert}) nor a hub id "
+            f"that can be fetched ({type(e).__name__}); pass its folder (source=... or target=...)."
+        ) from None
+
+
+def load_tokenizer(folder: Path):
+    """A model folder's tokenizer as mot_jax reads it (`mot_jax.models.loading.load_tokenizer`), so that the ids and
+    the alignment are the ones the translator was trained on: its tokenizer.json as a `tokenizers.Tokenizer`, else
+    transformers' AutoTokenizer."""
+    if (folder / "tokenizer.json").is_file():
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_file(str(folder / "tokenizer.json"))
+    return transformers.AutoTokenizer.from_pretrained(str(folder))
+
+
 class CachePipeline:
     """A source and a target transformers model (eager attention), their tokenizers, and an exported translator."""
 
@@ -137,6 +207,30 @@ class CachePipeline:
         for name, model in (("source", source), ("target", target)):
             if model.config._attn_implementation != "eager":
                 raise ValueError(f"The {name} model must be loaded with attn_implementation='eager'.")
+
+    @classmethod
+    def from_export(cls, folder, source=None, target=None, dtype=None) -> CachePipeline:
+        """The pipeline of an export folder (`python -m mot_jax.export --out=folder`): its translator, and the
+        source and target models (eager attention, eval mode) and tokenizers of the training run's model names in
+        its config.json (`model_folder`). `source` / `target` (a folder, hub id or embedded model) replace those
+        names; `dtype` (a torch dtype) replaces the run's LLM dtype."""
+        translator = KVTranslator.from_pretrained(folder)  # checks config.json and the weights
+        config = json.loads((Path(folder) / CONFIG_FILE).read_text())
+        dtype = dtype or getattr(torch, config.get("dtype") or "float32", None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"{folder}/{CONFIG_FILE} names the dtype {config['dtype']!r}; pass dtype=torch.float32.")
+        loaded = []
+        for side, name in (("source", source), ("target", target)):
+            name = name or config.get(side)
+            if not name:
+                raise ValueError(f"{folder}/{CONFIG_FILE} names no {side} model; pass {side}=its folder.")
+            path = model_folder(str(name))
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                str(path), attn_implementation="eager", dtype=dtype
+            )
+            loaded += [model.eval(), load_tokenizer(path)]
+        (source_model, source_tokenizer), (target_model, target_tokenizer) = loaded[:2], loaded[2:]
+        return cls(source_model, target_model, source_tokenizer, target_tokenizer, translator)
 
     def from_text(self, texts):
         """(DynamicCache, target ids [B, T], mask [B, T]) of the contexts, left-padded (the target tokenizer's own
