@@ -56,3 +56,30 @@ def tiny_run(tmp_path_factory):
 
     workdir = tmp_path_factory.mktemp("tiny_run") / "run"
     return workdir, loop.train_and_evaluate(load_config(steps=2), workdir)
+
+
+@pytest.fixture(scope="module")
+def random_pair():
+    """The tiny random llama source and gemma3 target (mot_jax.models.tiny) and their tokenizers:
+    (source, target, source tokenizer, target tokenizer)."""
+    from mot_jax.models import tiny
+
+    source, _, source_tok = tiny.load("random:llama")
+    target, _, target_tok = tiny.load("random:gemma3")
+    return source, target, source_tok, target_tok
+
+
+@pytest.fixture(scope="module")
+def hf_pair(tmp_path_factory):
+    """A 3-layer Qwen2 source and a 3-layer Gemma-3 target with the same (tiny) vocabulary, each saved by
+    transformers and loaded by mot_jax, and the target's transformers model: (source, target, target reference)."""
+    from hf_reference import CONFIGS, save_tiny
+
+    from mot_jax.models.loading import load_model
+
+    models = []
+    for family, name in [("qwen2", "untied_sliding"), ("gemma3", "sliding_softcap")]:
+        path = tmp_path_factory.mktemp(family)
+        reference = save_tiny(CONFIGS[family][name](), path)
+        models.append(load_model(str(path))[0])
+    return (*models, reference)

@@ -8,7 +8,6 @@ import pytest
 from flax import nnx
 from training_helpers import tiny_batch
 
-from mot_jax.models import tiny
 from mot_jax.training import objective
 from mot_jax.translate import channels
 from mot_jax.translate.translator import (
@@ -23,9 +22,8 @@ from mot_jax.translate.translator import (
 
 
 @pytest.fixture(scope="module")
-def pair():
-    source, _, source_tok = tiny.load("random:llama")
-    target, _, target_tok = tiny.load("random:gemma3")
+def pair(random_pair):
+    source, target, source_tok, target_tok = random_pair
     # 4 rows of 40 context tokens: more fitted tokens than the 32 source features of a window layer
     return source, target, tiny_batch(source_tok, target_tok, batch=4, context=40, source_length=160)
 

@@ -6,11 +6,10 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
-from hf_reference import CONFIGS, padded_batch, positions_for, run_reference, save_tiny
+from hf_reference import padded_batch, positions_for, run_reference
 
 from mot_jax.errors import MotJaxError
 from mot_jax.models.base import prefill
-from mot_jax.models.loading import load_model
 from mot_jax.translate import channels
 from mot_jax.translate.align import align_batch, identity_alignment
 from mot_jax.translate.translator import (
@@ -22,17 +21,6 @@ from mot_jax.translate.translator import (
     translate,
     window_inputs,
 )
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    """A 3-layer Qwen2 source, a 3-layer Gemma-3 target (same tiny vocabulary) and the target's transformers model."""
-    out = []
-    for family, name in [("qwen2", "untied_sliding"), ("gemma3", "sliding_softcap")]:
-        path = tmp_path_factory.mktemp(family)
-        reference = save_tiny(CONFIGS[family][name](), path)
-        out.append(load_model(str(path))[0])
-    return (*out, reference)
 
 
 def make(source, target, native_bottom, inputs=("source",), **cfg):
@@ -50,15 +38,15 @@ def run(translator, source, target, ids, mask, source_ids=None):
 
 
 @pytest.fixture(scope="module")
-def batch(models):
-    ids, mask = padded_batch(models[0].config.vocab_size)
+def batch(hf_pair):
+    ids, mask = padded_batch(hf_pair[0].config.vocab_size)
     return jnp.asarray(ids), jnp.asarray(mask, bool)
 
 
-def test_all_layers_native_is_the_native_cache(models, batch):
+def test_all_layers_native_is_the_native_cache(hf_pair, batch):
     """B = L: the cache equals the target's own prefill of the context, bit for bit, and so does the reading of the
     next tokens."""
-    source, target, _ = models
+    source, target, _ = hf_pair
     ids, mask = batch
     cache = run(make(source, target, target.config.num_layers, ("source",)), source, target, ids, mask)
     _, native = prefill(target, ids, mask, capacity=ids.shape[1] + 4)  # what native context evaluates
@@ -70,10 +58,10 @@ def test_all_layers_native_is_the_native_cache(models, batch):
     )
 
 
-def test_bottom_layers_are_native_and_the_rest_translated(models, batch, bottom=2):
+def test_bottom_layers_are_native_and_the_rest_translated(hf_pair, batch, bottom=2):
     """Layers below B hold the target's own K/V (transformers' cache), layers from B the translator's output; the
     'hidden' input is the target's residual stream before layer B (transformers' hidden_states[B])."""
-    source, target, reference = models
+    source, target, reference = hf_pair
     ids, mask = batch
     translator = make(source, target, bottom, ("source", "embeddings", "hidden"))
     assert translator.spec.target_layers == tuple(range(bottom, 3))
@@ -96,8 +84,8 @@ def test_bottom_layers_are_native_and_the_rest_translated(models, batch, bottom=
     )
 
 
-def test_source_free_translation_ignores_the_source_and_the_source_reading_one_does_not(models, batch):
-    source, target, _ = models
+def test_source_free_translation_ignores_the_source_and_the_source_reading_one_does_not(hf_pair, batch):
+    source, target, _ = hf_pair
     ids, mask = batch
     other = (ids * 7 + 3) % source.config.vocab_size
     for inputs, same in ((("embeddings", "hidden"), True), (("source", "embeddings"), False)):
@@ -107,10 +95,10 @@ def test_source_free_translation_ignores_the_source_and_the_source_reading_one_d
         assert np.array_equal(np.asarray(a.k[:1]), np.asarray(b.k[:1]))  # the native bottom layer never reads it
 
 
-def test_the_embeddings_input_is_the_target_token_identity(models, batch):
+def test_the_embeddings_input_is_the_target_token_identity(hf_pair, batch):
     """With no source, changing one context token changes the translated K/V at that token (position 5 of row 0
     attends nothing later: a causal translator) and nowhere before it."""
-    source, target, _ = models
+    source, target, _ = hf_pair
     ids, mask = batch
     translator = make(source, target, 0, ("embeddings",), causal=True, num_experts=1, top_k=1)
     changed = ids.at[0, 5].set((ids[0, 5] + 1) % source.config.vocab_size)
@@ -165,22 +153,22 @@ def test_the_source_free_method_runs_no_source_and_hands_nothing_over():
     np.testing.assert_allclose(np.asarray(cache.k), np.asarray(want.k), atol=1e-6, rtol=0)
 
 
-def test_the_torch_export_refuses_a_translator_reading_the_target(models):
+def test_the_torch_export_refuses_a_translator_reading_the_target(hf_pair):
     from mot_jax.export.weights import translator_config
 
-    source, target, _ = models
+    source, target, _ = hf_pair
     assert translator_config(make(source, target, 0), source, target)["window"] == 3  # the paper's inputs export
     for bottom, inputs in ((1, ("source",)), (0, ("source", "embeddings"))):
         with pytest.raises(MotJaxError, match="evaluate this translator in JAX"):
             translator_config(make(source, target, bottom, inputs), source, target)
 
 
-def test_a_linear_translator_is_its_skip_alone(models, batch):
+def test_a_linear_translator_is_its_skip_alone(hf_pair, batch):
     """kind='linear': the translated K/V are the linear skip's output, the same as a mixture whose own output is zero;
     it needs the skip and does not export."""
     from mot_jax.export.weights import translator_config
 
-    source, target, _ = models
+    source, target, _ = hf_pair
     ids, mask = batch
     linear = make(source, target, 1, ("source", "hidden"), kind="linear", linear_skip=True, output_activation="none")
     assert sorted(nnx.state(linear, nnx.Param).to_pure_dict()) == ["key_skip", "value_skip"]

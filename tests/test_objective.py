@@ -8,7 +8,6 @@ import pytest
 from flax import nnx
 from training_helpers import tiny_batch
 
-from mot_jax.models import tiny
 from mot_jax.training import objective
 from mot_jax.training.optim import warmup_cosine
 from mot_jax.translate import channels
@@ -16,18 +15,11 @@ from mot_jax.translate import translator as translator_lib
 from mot_jax.translate.translator import KVTranslator, TranslationSpec, mixture_config
 
 
-@pytest.fixture(scope="module")
-def pair():
-    source, _, source_tok = tiny.load("random:llama")
-    target, _, target_tok = tiny.load("random:gemma3")
-    return source, target, source_tok, target_tok
-
-
 @pytest.mark.parametrize("mode", ["replay", "direct"])
-def test_native_translation_gives_native_loss(pair, mode, monkeypatch):
+def test_native_translation_gives_native_loss(random_pair, mode, monkeypatch):
     """With the translation replaced by the target's own K/V, the MSE terms vanish and the CE equals the target's
     CE on the whole sequence read as text (one forward over context + prompt)."""
-    source, target, source_tok, target_tok = pair
+    source, target, source_tok, target_tok = random_pair
     batch = tiny_batch(source_tok, target_tok)
     channel_map = channels.terminal(4, 4, 0.5)
     spec = TranslationSpec.build(mode, channel_map, 4, 4, sparse_attention=False)

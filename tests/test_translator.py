@@ -5,7 +5,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from hf_reference import CONFIGS, save_tiny
 from jax.sharding import NamedSharding
 
 from mot_jax import sharding
@@ -31,17 +30,6 @@ from mot_jax.translate.translator import (
 SMALL = dict(dim=32, heads=4, depth=1, num_experts=2, top_k=1)
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    """A 3-layer Qwen2 source and a 3-layer Gemma-3 target with the same (tiny) vocabulary."""
-    out = []
-    for family, name in [("qwen2", "untied_sliding"), ("gemma3", "sliding_softcap")]:
-        path = tmp_path_factory.mktemp(family)
-        save_tiny(CONFIGS[family][name](), path)
-        out.append(load_model(str(path))[0])
-    return out
-
-
 def batch(vocab, length=10):
     ids = np.random.default_rng(0).integers(3, vocab, size=(2, length))
     mask = np.ones(ids.shape, bool)
@@ -63,8 +51,8 @@ def run(translator, source, target, ids, mask, alignment=None, **kw):
     return translate(translator, source, target, source_cache, alignment, ids, mask, topk, **kw)
 
 
-def test_sparse_replay_with_every_key_equals_dense_replay(models):
-    source, target = models
+def test_sparse_replay_with_every_key_equals_dense_replay(hf_pair):
+    source, target, _ = hf_pair
     ids, mask = batch(source.config.vocab_size)
     sparse = make_translator(source, target, k_attn=ids.shape[1], dense_bottom=0)
     dense = make_translator(source, target, sparse_attention=False)
@@ -73,8 +61,8 @@ def test_sparse_replay_with_every_key_equals_dense_replay(models):
     np.testing.assert_allclose(np.asarray(got.k), np.asarray(want.k), atol=1e-5, rtol=0)
 
 
-def test_replay_keeps_layers_below_the_window_native_and_caches_own_kv(models):
-    source, target = models
+def test_replay_keeps_layers_below_the_window_native_and_caches_own_kv(hf_pair):
+    source, target, _ = hf_pair
     ids, mask = batch(source.config.vocab_size)
     translator = make_translator(source, target, channel_map=channels.explicit([1, 2], [1, 2]), sparse_attention=False)
     cache, aux = run(translator, source, target, ids, mask)
@@ -84,8 +72,8 @@ def test_replay_keeps_layers_below_the_window_native_and_caches_own_kv(models):
     assert set(aux) == {"key", "value"} and "load_balance_loss" in aux["key"]
 
 
-def test_direct_cache_holds_the_translation_and_extends(models):
-    source, target = models
+def test_direct_cache_holds_the_translation_and_extends(hf_pair):
+    source, target, _ = hf_pair
     ids, mask = batch(source.config.vocab_size)
     translator = make_translator(source, target, mode="direct")
     assert translator.spec.target_layers == tuple(range(target.config.num_layers))
@@ -123,8 +111,8 @@ def test_sparse_indices_follow_layer_and_token_maps():
                 assert got[j, bi, ti, k] == (0, 2)[bi]  # the first token, the target's attention sink
 
 
-def test_unrotated_window_is_position_free(models):
-    source, _ = models
+def test_unrotated_window_is_position_free(hf_pair):
+    source, _, _ = hf_pair
     ids, mask = batch(source.config.vocab_size)
     cache, _ = source_prefill(source, ids, mask)
     freq = rope_table(source.config)
@@ -137,8 +125,8 @@ def test_unrotated_window_is_position_free(models):
                                atol=1e-5)  # fmt: skip
 
 
-def test_rotary_translation_runs_and_needs_linear_output(models):
-    source, target = models
+def test_rotary_translation_runs_and_needs_linear_output(hf_pair):
+    source, target, _ = hf_pair
     ids, mask = batch(source.config.vocab_size)
     cache, _ = run(make_translator(source, target, rotary=True, sparse_attention=False), source, target, ids, mask)
     assert bool(jnp.isfinite(cache.k).all())
@@ -147,8 +135,8 @@ def test_rotary_translation_runs_and_needs_linear_output(models):
         KVTranslator(spec, mixture_config(spec, source, target, **SMALL), rngs=nnx.Rngs(0))
 
 
-def test_sharded_translation_equals_unsharded(models):
-    source, target = models
+def test_sharded_translation_equals_unsharded(hf_pair):
+    source, target, _ = hf_pair
     ids, mask = batch(source.config.vocab_size)
     ids, mask = jnp.concatenate([ids, ids]), jnp.concatenate([mask, mask])  # batch 4 over data=2
     translator = make_translator(source, target, mode="direct")
@@ -163,8 +151,8 @@ def test_sharded_translation_equals_unsharded(models):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
 
 
-def test_bad_inputs_are_clear_errors(models):
-    source, target = models
+def test_bad_inputs_are_clear_errors(hf_pair):
+    source, target, _ = hf_pair
     with pytest.raises(MotJaxError, match="layer 5"):
         TranslationSpec.build("replay", channels.explicit([1, 5], [1, 2]), 3, 3)
     with pytest.raises(MotJaxError, match="mode"):
