@@ -50,12 +50,24 @@ def tiny_run(tmp_path_factory):
     """`configs/quickstart.py:tiny` trained for 2 steps (validated and checkpointed at step 2), once per session:
     (workdir, summary). The tests that need a finished tiny run read it (training, export, evaluation); a test that
     changes it works on a copy (shutil.copytree)."""
+    import fcntl
+    import json
+
     from test_train_run import load_config
 
     from mot_jax.training import loop
 
-    workdir = tmp_path_factory.mktemp("tiny_run") / "run"
-    return workdir, loop.train_and_evaluate(load_config(steps=2), workdir)
+    # Under pytest-xdist every worker is its own session: the first to ask trains in the folder the workers share,
+    # the others wait for it (a file lock) and read the same run.
+    root = tmp_path_factory.getbasetemp()
+    root = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
+    workdir, done = root / "tiny_run" / "run", root / "tiny_run" / "done.json"
+    workdir.parent.mkdir(exist_ok=True)
+    with open(root / "tiny_run.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            done.write_text(json.dumps(loop.train_and_evaluate(load_config(steps=2), workdir)))
+    return workdir, json.loads(done.read_text())
 
 
 @pytest.fixture(scope="module")
