@@ -7,9 +7,12 @@ from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
-from mot_jax.models.base import decode_step, generate
+from mot_jax.errors import MotJaxError
+from mot_jax.models import tiny
+from mot_jax.models.base import decode_step, generate, generate_from_cache
 from mot_jax.models.loading import load_model
 from mot_jax.training import trained as trained_lib
 from mot_jax.translate.align import align_batch
@@ -79,3 +82,14 @@ def test_readme_lines_with_every_target_layer_native_answer_as_the_target_readin
     full = jnp.concatenate([jnp.asarray(got["ids"]), jnp.asarray([got["question"]])], 1)
     want = generate(got["target"], full, max_new_tokens=NEW_TOKENS)
     np.testing.assert_array_equal(np.asarray(got["tokens"]), np.asarray(want))
+
+
+def test_generating_from_a_cache_without_room_is_refused():
+    """A cache with too few free slots would have the question's and answer's keys overwrite its last slots."""
+    target, _, _ = tiny.load("random:gemma3")
+    context = jnp.ones((1, 6), jnp.int32)
+    question = jnp.ones((1, 3), jnp.int32)
+    _, cache = target(context, cache=target.init_cache(1, 6 + 3 + 4))
+    assert generate_from_cache(target, cache, question, max_new_tokens=4).shape == (1, 4)
+    with pytest.raises(MotJaxError, match="has 13 slots but .* need 14; build it with capacity >= 14"):
+        generate_from_cache(target, cache, question, max_new_tokens=5)

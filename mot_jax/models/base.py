@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
+from mot_jax.errors import MotJaxError
 from mot_jax.jit import jit
 from mot_jax.models.cache import KVCache
 from mot_jax.models.layers import GLOBAL_WINDOW, attention_weights
@@ -307,12 +308,23 @@ def generate(model, input_ids, attention_mask=None, *, max_new_tokens, eos_ids=N
     return greedy_continue(model, logits, cache, max_new_tokens, eos_ids)
 
 
-@jit(static_argnames=("max_new_tokens", "eos_ids"))
 def generate_from_cache(model, cache, input_ids, attention_mask=None, *, max_new_tokens, eos_ids=None):
     """Greedy decoding after a cache that already holds a context (e.g. a translated one): the model reads
     `input_ids` [B, T] (a question; padding per `attention_mask`) after it, then decodes. The cache needs room for
     them and the answer (capacity >= its tokens + T + max_new_tokens). Returns [B, max_new_tokens] token ids (see
     `greedy_continue` for the end-of-sequence rule)."""
+    if not isinstance(cache.index, jax.core.Tracer):  # a cache without room would overwrite its last slots silently
+        needed = int(cache.index) + input_ids.shape[1] + max_new_tokens
+        if needed > cache.capacity:
+            raise MotJaxError(
+                f"The cache has {cache.capacity} slots but its context, the {input_ids.shape[1]} input tokens and "
+                f"{max_new_tokens} new tokens need {needed}; build it with capacity >= {needed}."
+            )
+    return _generate_from_cache(model, cache, input_ids, attention_mask, max_new_tokens=max_new_tokens, eos_ids=eos_ids)
+
+
+@jit(static_argnames=("max_new_tokens", "eos_ids"))
+def _generate_from_cache(model, cache, input_ids, attention_mask, *, max_new_tokens, eos_ids):
     mask = jnp.ones(input_ids.shape, bool) if attention_mask is None else attention_mask
     hidden, cache = model.hidden_states(input_ids, mask, cache=cache)
     logits = model.unembed(hidden[jnp.arange(hidden.shape[0]), last_valid_index(mask)])
