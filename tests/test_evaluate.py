@@ -33,8 +33,8 @@ from mot_jax.evals.tasks import evaluate_agents, evaluate_examples
 from mot_jax.jit import jit
 from mot_jax.models.base import generate
 from mot_jax.progress import Progress
-from mot_jax.training import loop
 from mot_jax.training.config import base, tiny
+from mot_jax.training.setup import load_pair
 from mot_jax.translate import align as alignment_lib
 from mot_jax.translate.translator import KVTranslator, TranslationSpec, mixture_config
 
@@ -45,7 +45,7 @@ SETTINGS = Settings(batch_size=2, max_new_tokens=6)
 def tiny_pair(source="llama", target="gemma3"):
     config = base()
     tiny(config, source, target)
-    return loop.load_pair(config)
+    return load_pair(config)
 
 
 @pytest.fixture(scope="module")

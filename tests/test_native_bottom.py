@@ -132,12 +132,12 @@ def test_the_source_free_method_runs_no_source_and_hands_nothing_over():
     from mot_jax.evals import synthetic
     from mot_jax.evals.methods import Stopwatch, Translated
     from mot_jax.evals.prompts import Settings, batches
-    from mot_jax.training import loop
     from mot_jax.training.config import base, tiny
+    from mot_jax.training.setup import load_pair
 
     config = base()
     tiny(config, "llama", "gemma3")
-    pair = loop.load_pair(config)
+    pair = load_pair(config)
     translator = make(pair.source, pair.target, 1, ("embeddings", "hidden"))
     method = Translated("free", translator, "-", 0)
     contexts, _, _ = next(batches(pair, synthetic.examples("extractive_qa", 2, seed=3), Settings(batch_size=2)))

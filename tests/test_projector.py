@@ -17,7 +17,9 @@ from mot_jax.errors import MotJaxError
 from mot_jax.export import torch_translator
 from mot_jax.export.__main__ import export_workdir
 from mot_jax.training import loop
+from mot_jax.training.setup import check_identity, make_mesh
 from mot_jax.training.trained import load_trained
+from mot_jax.training.trainer import fit
 from mot_jax.translate import channels
 from mot_jax.translate.expert import TranslatorConfig
 from mot_jax.translate.projector import Projector
@@ -64,11 +66,11 @@ def test_kv_translator_builds_projectors_and_refuses_an_unknown_kind():
 def test_projector_loss_goes_down_on_tiny_models(mode):
     c = tiny_config(mode=mode, kind="projector", output_activation="none")
     c.optim.learning_rate, c.optim.warmup_steps = 3e-3, 2
-    trainer, pair = trainer_for(c, loop.make_mesh(c), steps=24)
+    trainer, pair = trainer_for(c, make_mesh(c), steps=24)
     batches = [tiny_batch(pair.source_tokenizer, pair.target_tokenizer, offset=2 * i) for i in range(3)]
     before = trainer.evaluate(batches)
     assert before["load_balance"] == before["z_loss"] == 0 and "load_cv2" not in before
-    loop.fit(trainer, Fixed(batches), 0, 24)
+    fit(trainer, Fixed(batches), 0, 24)
     after = trainer.evaluate(batches)
     assert after["loss"] < before["loss"] - 0.1, (before, after)
 
@@ -102,7 +104,7 @@ def test_workdir_round_trip_export_and_resume_with_another_kind(tmp_path):
 
 def test_runs_saved_before_the_kind_and_linear_skip_keys_still_resume_as_mixtures_without_skip(tmp_path):
     current = {"translator": {"dim": 32, "kind": "mot", "linear_skip": False}}
-    loop.check_identity({"translator": {"dim": 32}}, current, tmp_path)  # no error
+    check_identity({"translator": {"dim": 32}}, current, tmp_path)  # no error
     for changed in ({"kind": "projector"}, {"linear_skip": True}):
         with pytest.raises(MotJaxError, match="differs in: translator"):
-            loop.check_identity({"translator": {"dim": 32}}, {"translator": current["translator"] | changed}, tmp_path)
+            check_identity({"translator": {"dim": 32}}, {"translator": current["translator"] | changed}, tmp_path)

@@ -9,7 +9,9 @@ from training_helpers import tiny_batch
 
 from mot_jax.errors import MotJaxError
 from mot_jax.training import config as config_lib
-from mot_jax.training import loop
+from mot_jax.training.channel_search import resolve_channels
+from mot_jax.training.setup import load_pair, make_mesh, translation
+from mot_jax.training.trainer import Trainer, fit
 
 
 def tiny_config(**translator):
@@ -30,20 +32,20 @@ class Fixed:
 
 
 def trainer_for(c, mesh, steps):
-    pair = loop.load_pair(c)
-    channel_map = loop.resolve_channels(c, pair, None, mesh, None)
-    spec, tcfg = loop.translation(c, channel_map, pair)
-    return loop.Trainer(c, pair, spec, tcfg, mesh, steps), pair
+    pair = load_pair(c)
+    channel_map = resolve_channels(c, pair, None, mesh, None)
+    spec, tcfg = translation(c, channel_map, pair)
+    return Trainer(c, pair, spec, tcfg, mesh, steps), pair
 
 
 @pytest.mark.parametrize("mode", ["replay", "direct"])
 def test_loss_goes_down_on_tiny_models(mode):
     c = tiny_config(mode=mode)
     c.optim.learning_rate, c.optim.warmup_steps = 3e-3, 2
-    trainer, pair = trainer_for(c, loop.make_mesh(c), steps=24)
+    trainer, pair = trainer_for(c, make_mesh(c), steps=24)
     batches = [tiny_batch(pair.source_tokenizer, pair.target_tokenizer, offset=2 * i) for i in range(3)]
     before = trainer.evaluate(batches)
-    loop.fit(trainer, Fixed(batches), 0, 24)
+    fit(trainer, Fixed(batches), 0, 24)
     after = trainer.evaluate(batches)
     assert after["loss"] < before["loss"] - 0.1, (before, after)
     assert after["mse_k"] + after["mse_v"] < 0.8 * (before["mse_k"] + before["mse_v"]), (before, after)
@@ -58,11 +60,11 @@ def test_sharded_step_equals_single_device_step():
         # Adam's first steps are lr * g / |g|: for a gradient that is ~0 the summation order decides the sign.
         # A large eps makes the update ~ lr * g, so the comparison sees the gradients, not that noise.
         c.optim.learning_rate, c.optim.eps = 0.1, 1.0
-        mesh = loop.make_mesh(c)
+        mesh = make_mesh(c)
         trainer, pair = trainer_for(c, mesh, steps=2)
         batches = [tiny_batch(pair.source_tokenizer, pair.target_tokenizer, batch=4, offset=4 * i) for i in range(4)]
         metrics = []
-        loop.fit(trainer, Fixed(batches), 0, 2, lambda step, m, s, metrics=metrics: metrics.append(m))
+        fit(trainer, Fixed(batches), 0, 2, lambda step, m, s, metrics=metrics: metrics.append(m))
         if expert > 1:  # the experts really are split over the expert axis
             leaf = jax.tree.leaves(trainer.state["params"]["key"]["experts"])[0]
             assert leaf.sharding.spec[0] == "expert" and len(leaf.sharding.device_set) == 8
@@ -81,7 +83,7 @@ def test_linear_skip_fit_is_the_same_on_a_sharded_mesh():
     for data, expert in ((1, 1), (4, 2)):
         c = tiny_config(mode="direct", rotary=True, output_activation="none", linear_skip=True)
         c.batch_size, c.mesh.data, c.mesh.expert = 4, data, expert
-        trainer, pair = trainer_for(c, loop.make_mesh(c), steps=1)
+        trainer, pair = trainer_for(c, make_mesh(c), steps=1)
         batches = [tiny_batch(pair.source_tokenizer, pair.target_tokenizer, batch=4, context=20, offset=4 * i)
                    for i in range(3)]  # fmt: skip
         errors = trainer.fit_linear_skip(batches)
@@ -98,17 +100,17 @@ def test_batch_not_divisible_by_data_axis_is_refused():
     c = tiny_config()
     c.batch_size, c.mesh.data = 3, 2
     with pytest.raises(MotJaxError, match="not divisible by the mesh's data axis"):
-        loop.make_mesh(c)
+        make_mesh(c)
 
 
 def test_bfloat16_compute_keeps_fp32_params_and_optimizer_state():
     c = tiny_config()
     c.dtype = "bfloat16"
-    trainer, pair = trainer_for(c, loop.make_mesh(c), steps=2)
+    trainer, pair = trainer_for(c, make_mesh(c), steps=2)
     assert jax.tree.leaves(nnx.state(pair.target))[0].dtype == jnp.bfloat16
     batches = [tiny_batch(pair.source_tokenizer, pair.target_tokenizer)]
     before = jax.device_get(trainer.state["params"])
-    loop.fit(trainer, Fixed(batches), 0, 2)
+    fit(trainer, Fixed(batches), 0, 2)
     after = trainer.state["params"]
     assert {x.dtype for x in jax.tree.leaves(after)} == {jnp.dtype("float32")}
     assert {x.dtype for x in jax.tree.leaves(trainer.state["opt_state"]) if x.ndim} == {jnp.dtype("float32")}

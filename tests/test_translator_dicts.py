@@ -6,7 +6,7 @@ import json
 import pytest
 
 from mot_jax.errors import MotJaxError
-from mot_jax.training import loop
+from mot_jax.training.setup import check_identity
 from mot_jax.translate import channels
 from mot_jax.translate.expert import TranslatorConfig
 from mot_jax.translate.translator import TranslationSpec
@@ -44,7 +44,7 @@ def test_a_dict_saved_before_the_added_fields_gets_todays_defaults(cls):
 def test_a_run_saved_before_the_added_spec_fields_still_resumes():
     current = {"spec": SPECS[0].to_dict()}
     old = {k: v for k, v in current["spec"].items() if k not in ADDED[TranslationSpec]}
-    loop.check_identity({"spec": old}, current, "DIR")  # no error
+    check_identity({"spec": old}, current, "DIR")  # no error
     for changed in ({"native_bottom": 1}, {"inputs": ["source", "embeddings"]}):
         with pytest.raises(MotJaxError, match="differs in: spec"):
-            loop.check_identity({"spec": old}, {"spec": current["spec"] | changed}, "DIR")
+            check_identity({"spec": old}, {"spec": current["spec"] | changed}, "DIR")

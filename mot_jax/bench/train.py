@@ -69,23 +69,25 @@ def bench_train(plan: Plan) -> Section:
 
     import jax
 
-    from mot_jax.training import loop
+    from mot_jax.training import setup
+    from mot_jax.training.channel_search import resolve_channels
+    from mot_jax.training.trainer import Trainer, stack
 
     config = load_experiment(plan.config_arg + "replay")
-    pair = loop.load_pair(config)
-    datasets = loop.make_datasets(config, pair)
-    mesh = loop.make_mesh(config)
+    pair = setup.load_pair(config)
+    datasets = setup.make_datasets(config, pair)
+    mesh = setup.make_mesh(config)
     accum = config.grad_accum
-    batches = [loop.stack([datasets.train.batch(p * accum + i) for i in range(accum)]) for p in range(plan.runs + 1)]
+    batches = [stack([datasets.train.batch(p * accum + i) for i in range(accum)]) for p in range(plan.runs + 1)]
     variants, stats = {}, {}
     for name, mode, dispatch in (("replay, sparse", "replay", "sparse"), ("replay, dense", "replay", "dense"),
                                  ("direct, sparse", "direct", "sparse")):  # fmt: skip
         c = load_experiment(plan.config_arg + mode)
         c.translator.dispatch = dispatch
-        spec, tcfg = loop.translation(c, loop.resolve_channels(c, pair, datasets, mesh, None), pair)
-        trainer = loop.Trainer(c, pair, spec, tcfg, mesh, c.steps)
+        spec, tcfg = setup.translation(c, resolve_channels(c, pair, datasets, mesh, None), pair)
+        trainer = Trainer(c, pair, spec, tcfg, mesh, c.steps)
         start = time.perf_counter()
-        traced = trainer._train.trace(trainer.state, trainer.llm_states, trainer.place(batches[0], micro=True))
+        traced = trainer.trace_train_step(batches[0])
         compiled = traced.lower().compile()
         m = compiled.memory_analysis()
         stats[name] = dict(

@@ -12,24 +12,25 @@ def ttft_methods(plan: Plan):
     from flax import nnx
 
     from mot_jax.evals.methods import Native, Translated
-    from mot_jax.training import loop
+    from mot_jax.training import setup
+    from mot_jax.training.channel_search import resolve_channels
     from mot_jax.translate.translator import KVTranslator
 
     if plan.workdirs:
         from mot_jax.evals.run import trained_methods
 
         translated, config = trained_methods(plan.workdirs, "last")
-        pair = loop.load_pair(ml_collections.ConfigDict(dict(source=config.source, target=config.target,
-                                                              dtype=config.dtype)))  # fmt: skip
+        pair = setup.load_pair(ml_collections.ConfigDict(dict(source=config.source, target=config.target,
+                                                               dtype=config.dtype)))  # fmt: skip
         what = f"{config.source} -> {config.target}, trained translators ("
         what += ", ".join(f"`{m.workdir}` step {m.step}" for m in translated) + ")"
         return pair, [Native(), *translated], what
     pair, methods = None, [Native()]
     for mode in ("replay", "direct"):
         config = load_experiment(plan.config_arg + mode)
-        pair = pair or loop.load_pair(config)
-        channel_map = loop.resolve_channels(config, pair, None, None, None)  # terminal: no search, no data
-        spec, tcfg = loop.translation(config, channel_map, pair)
+        pair = pair or setup.load_pair(config)
+        channel_map = resolve_channels(config, pair)  # terminal: no search, no data
+        spec, tcfg = setup.translation(config, channel_map, pair)
         translator = KVTranslator(spec, tcfg, rngs=nnx.Rngs(config.seed))
         methods.append(Translated(mode, translator, "untrained", 0))
     what = (

@@ -30,7 +30,7 @@ from mot_jax.evals.prompts import Settings, is_closed
 from mot_jax.evals.tasks import add_retention, evaluate_agents, evaluate_examples
 from mot_jax.paths import as_path
 from mot_jax.progress import Progress
-from mot_jax.training.loop import load_pair
+from mot_jax.training.setup import load_pair
 from mot_jax.training.trained import load_trained
 
 TASKS = datasets.TASKS

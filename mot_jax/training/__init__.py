@@ -1,1 +1,2 @@
-"""Training: input pipeline, objective, optimizer, checkpoints and the loop."""
+"""Training: input pipeline, objective, optimizer, checkpoints, the run's set-up, trainer, channel search and
+report, and the loop."""

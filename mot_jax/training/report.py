@@ -1,0 +1,66 @@
+"""What a training run reports: progress while it trains (absl logs, TensorBoard, a progress bar) and the closing
+held-out table."""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+
+import jax
+from absl import logging
+from etils import epath
+
+
+class Logger:
+    """absl logs (with tokens/s and ETA), TensorBoard event files (tensorboardX, no TensorFlow) and, on a terminal,
+    a progress bar; process 0 only."""
+
+    def __init__(self, workdir: epath.Path, total: int, start: int, tokens_per_step: int, log_every: int):
+        self.main = jax.process_index() == 0
+        self.tokens_per_step, self.log_every, self.total, self.start = tokens_per_step, log_every, total, start
+        self.began = time.perf_counter()
+        self.writer = self.bar = None
+        if self.main:
+            from tensorboardX import SummaryWriter
+            from tqdm import tqdm
+
+            self.writer = SummaryWriter(str(workdir / "tensorboard"))
+            self.bar = tqdm(
+                total=total, initial=start, unit="step", dynamic_ncols=True, disable=not sys.stderr.isatty()
+            )
+
+    def scalars(self, step: int, values: dict, prefix: str):
+        if self.main:
+            for k, v in values.items():
+                self.writer.add_scalar(f"{prefix}/{k}", float(v), step)
+
+    def step(self, step: int, metrics: dict, seconds: float, learning_rate: float):
+        if not self.main:
+            return
+        tokens_per_second = self.tokens_per_step / max(seconds, 1e-9)
+        values = {k: float(v) for k, v in metrics.items()} | dict(learning_rate=learning_rate)
+        self.scalars(step, values | dict(tokens_per_second=tokens_per_second), "train")
+        self.bar.set_postfix(loss=f"{values['loss']:.3f}", ce=f"{values['ce']:.3f}", tok_s=f"{tokens_per_second:.0f}")
+        self.bar.update(1)
+        if step % self.log_every == 0:
+            shown = " ".join(f"{k}={v:.4g}" for k, v in values.items())
+            eta = (time.perf_counter() - self.began) / (step - self.start) * (self.total - step)
+            logging.info("step %d/%d: %s tokens/s=%.0f eta=%.0fs", step, self.total, shown, tokens_per_second, eta)
+
+    def close(self):
+        if self.main:
+            self.bar.close()
+            self.writer.close()
+
+
+def evaluation_table(results: dict) -> str:
+    rows = [
+        ("no context", results["no_context"]),
+        ("native context", results["native"]),
+        ("translated (untrained)", results.get("untrained")),
+        ("translated (trained)", results["translated"]),
+    ]
+    lines = ["| method | prompt CE | perplexity |", "|---|---|---|"]
+    lines += [f"| {name} | {ce:.4f} | {math.exp(min(ce, 50)):.2f} |" for name, ce in rows if ce is not None]
+    return "\n".join(lines)

@@ -1,0 +1,149 @@
+"""What a training run sets up before its first step: the model pair, the data, the mesh, the translator's spec and
+config, and the identity a checkpoint must match to be resumed."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+from absl import logging
+from etils import epath
+
+from mot_jax import sharding
+from mot_jax.errors import MotJaxError
+from mot_jax.models.loading import load_model, load_tokenizer
+from mot_jax.training import corpus, data
+from mot_jax.translate.expert import TranslatorConfig
+from mot_jax.translate.translator import TranslationSpec, mixture_config
+
+TRANSLATOR_KEYS = [f.name for f in dataclasses.fields(TranslatorConfig)]
+
+
+@dataclasses.dataclass
+class Pair:
+    source: object
+    target: object
+    source_tokenizer: object
+    target_tokenizer: object
+
+
+def load_pair(config) -> Pair:
+    logging.info("Loading source %s and target %s (%s)", config.source, config.target, config.dtype)
+    source, target = (load_model(name, config.dtype)[0] for name in (config.source, config.target))
+    return Pair(source, target, load_tokenizer(config.source), load_tokenizer(config.target))
+
+
+@dataclasses.dataclass
+class Datasets:
+    train: data.Batches  # the shuffled infinite stream; `batch(position)`
+    validation: list  # fixed batches: the first `eval_batches` score checkpoints, the next ones are held out
+
+
+def make_datasets(config, pair: Pair, rows: slice = slice(None)) -> Datasets:
+    """`rows`: the rows of each global batch this process builds (multihost.local_rows; all of them by default)."""
+    d = config.data
+    documents = corpus.documents(d.corpus, d.data_dir or None)
+    eos = pair.target.config.eos_ids
+    if not eos:
+        raise MotJaxError(f"The target {config.target!r} defines no EOS token id, which separates documents.")
+    tokenizers = dict(source_tokenizer=pair.source_tokenizer, target_tokenizer=pair.target_tokenizer)
+    lengths = dict(source_length=d.source_length, prefix_tokens=d.prefix_tokens)
+
+    def chunks(split):
+        return data.TextChunks(
+            documents[split],
+            pair.target_tokenizer,
+            eos_id=eos[0],
+            total_tokens=d.total_tokens,
+            **lengths,
+            source_tokenizer=pair.source_tokenizer,
+        )
+
+    needed = max(config.eval_batches, config.translator.channels.search_eval_batches) + config.final_eval_batches
+    return Datasets(
+        data.Batches(
+            chunks("train"),
+            config.batch_size,
+            config.seed,
+            **tokenizers,
+            **lengths,
+            rows=rows,
+            copy_fraction=config.data.copy_fraction,
+        ),
+        data.validation_batches(
+            chunks("validation"), config.batch_size, **tokenizers, **lengths, max_batches=needed, rows=rows
+        ),
+    )
+
+
+def make_mesh(config) -> jax.sharding.Mesh:
+    data_axis, expert_axis = config.mesh.data, config.mesh.expert
+    devices = jax.devices() if data_axis == -1 else jax.devices()[: data_axis * expert_axis]
+    if jax.process_count() > 1 and len(devices) != jax.device_count():
+        raise MotJaxError(
+            f"A run of {jax.process_count()} processes uses all {jax.device_count()} devices; set "
+            "--config.mesh.data=-1 (or data x expert to the device count)."
+        )
+    mesh = sharding.make_mesh(data_axis, expert_axis, devices)
+    if config.batch_size % mesh.shape["data"]:
+        raise MotJaxError(
+            f"batch_size={config.batch_size} is not divisible by the mesh's data axis ({mesh.shape['data']} devices); "
+            "set --config.batch_size to a multiple of it or --config.mesh.data to a divisor of it."
+        )
+    return mesh
+
+
+def translation(config, channel_map, pair: Pair, **overrides) -> tuple[TranslationSpec, TranslatorConfig]:
+    """The config's translator for this pair and channel map; `overrides` replace TranslatorConfig fields."""
+    t = config.translator
+    num_target_layers = pair.target.config.num_layers
+    if t.native_bottom >= num_target_layers:
+        raise MotJaxError(
+            f"native_bottom={t.native_bottom} leaves none of the target's {num_target_layers} layers to translate "
+            "(that is native context); pass a smaller --config.translator.native_bottom."
+        )
+    spec = TranslationSpec.build(
+        t.mode,
+        channel_map,
+        pair.source.config.num_layers,
+        num_target_layers,
+        native_bottom=t.native_bottom,
+        inputs=tuple(i.strip() for i in t.inputs.split(",") if i.strip()),
+        sparse_attention=t.sparse_attention,
+        k_attn=t.k_attn,
+        dense_bottom=t.dense_bottom,
+        rotary=t.rotary,
+    )
+    kwargs = {k: t[k] for k in TRANSLATOR_KEYS if k in t} | overrides
+    return spec, mixture_config(spec, pair.source, pair.target, **kwargs)
+
+
+def identity(config, spec: TranslationSpec, tcfg: TranslatorConfig, pair: Pair) -> dict:
+    """What a checkpoint must match to be resumed: the model pair and the translator's shape and wiring."""
+    return json.loads(
+        json.dumps(
+            dict(
+                source=config.source,
+                target=config.target,
+                source_model=dataclasses.asdict(pair.source.config),
+                target_model=dataclasses.asdict(pair.target.config),
+                translator=tcfg.to_dict(),
+                spec=spec.to_dict(),
+            ),
+            default=str,
+        )
+    )
+
+
+def check_identity(saved: dict, current: dict, workdir: epath.Path):
+    saved = saved | {
+        "translator": TranslatorConfig.with_added_fields(saved.get("translator", {})),
+        "spec": TranslationSpec.with_added_fields(saved.get("spec", {})),
+    }
+    differ = sorted(k for k in current if saved.get(k) != current[k])
+    if differ:
+        raise MotJaxError(
+            f"{workdir} holds a run of another experiment (it differs in: {', '.join(differ)}); pass a new --workdir, "
+            "or the config that made it."
+        )

@@ -1,0 +1,210 @@
+"""The jitted training of one translator: `Trainer` (its train, eval and baseline steps over a mesh, and the state
+they update) and `fit`, which runs the steps over a batch stream.
+
+Frozen source and target LLMs (replicated, or FSDP-split over `data`), translator experts sharded over the
+`expert` mesh axis, batches over `data`; one jitted step does the frozen forwards, the Context Correction loss and
+its gradient for every micro-batch (a scan: gradient accumulation) and one AdamW update.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from absl import logging
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from mot_jax import sharding
+from mot_jax.errors import MotJaxError
+from mot_jax.models.registry import resolve_dtype
+from mot_jax.training import data, objective
+from mot_jax.training.optim import adamw
+from mot_jax.training.setup import Pair
+from mot_jax.translate.translator import KVTranslator, linear_skip_sums, solve_linear_skip
+
+
+class Trainer:
+    """The jitted train and eval steps of one translator shape over a mesh, and the state they update."""
+
+    def __init__(self, config, pair: Pair, spec, tcfg, mesh, total_steps: int):
+        self.config, self.pair, self.mesh = config, pair, mesh
+        rules = sharding.FSDP_RULES if config.mesh.fsdp else sharding.RULES
+        for model in (pair.source, pair.target):
+            sharding.shard(model, mesh, rules)
+        translator = KVTranslator(spec, tcfg, rngs=nnx.Rngs(config.seed))
+        sharding.shard(translator, mesh)
+        self.graphdef, params = nnx.split(translator, nnx.Param)
+        self.llm_graphs, self.llm_states = zip(*(nnx.split(m) for m in (pair.source, pair.target)))
+        self.tx, self.schedule = adamw(config.optim, total_steps)
+        rng = jax.random.key_data(jax.random.key(config.seed))
+        self.state = dict(params=params, opt_state=jax.jit(self.tx.init)(params), rng=rng)
+        self.topk = spec.attention_topk
+        self.compute_dtype = resolve_dtype(config.dtype)
+        self.weights = objective.LossWeights.from_config(config.loss)
+        replicated = NamedSharding(mesh, PartitionSpec())
+        named = lambda x: x.sharding if isinstance(x.sharding, NamedSharding) else replicated
+        state_sharding = jax.tree.map(named, self.state)  # fixed, so the step compiles once
+        self.state = jax.device_put(self.state, state_sharding)
+        self._train = jax.jit(self._train_step, donate_argnums=(0,), out_shardings=(state_sharding, None))
+        self._eval = jax.jit(self._eval_step)
+        self._baselines = jax.jit(self._baseline_step)
+        self._skip_sums = jax.jit(self._skip_sums_step)
+
+    # -- pure functions (traced) --
+    def _models(self, params, llm_states):
+        params = jax.tree.map(lambda p: p.astype(self.compute_dtype), params)
+        translator = nnx.merge(self.graphdef, params)
+        source, target = (nnx.merge(g, s) for g, s in zip(self.llm_graphs, llm_states))
+        return translator, source, target
+
+    def _loss(self, params, llm_states, batch):
+        _, source, target = self._models(params, llm_states)
+        frozen = objective.frozen_forwards(source, target, batch, self.topk)
+
+        def loss_fn(p):
+            translator, _, _ = self._models(p, llm_states)
+            return objective.context_correction(translator, source, target, batch, frozen, self.weights)
+
+        return loss_fn
+
+    def _train_step(self, state, llm_states, batches):
+        def micro(grads, batch):
+            (_, metrics), g = jax.value_and_grad(self._loss(state["params"], llm_states, batch), has_aux=True)(
+                state["params"]
+            )
+            return jax.tree.map(jnp.add, grads, g), metrics
+
+        zeros = jax.tree.map(jnp.zeros_like, state["params"])
+        grads, metrics = jax.lax.scan(micro, zeros, batches)
+        grads = jax.tree.map(lambda g: g / batches.context.shape[0], grads)
+        metrics = jax.tree.map(jnp.mean, metrics) | dict(grad_norm=optax.global_norm(grads))
+        updates, opt_state = self.tx.update(grads, state["opt_state"], state["params"])
+        state = dict(state, params=optax.apply_updates(state["params"], updates), opt_state=opt_state)
+        floats = [x for x in jax.tree.leaves(state) if jnp.issubdtype(x.dtype, jnp.floating)]
+        return state, metrics | dict(state_finite=jnp.all(jnp.stack([jnp.isfinite(x).all() for x in floats])))
+
+    def _eval_step(self, params, llm_states, batch):
+        return self._loss(params, llm_states, batch)(params)[1]
+
+    def _baseline_step(self, params, llm_states, batch):
+        """Prompt CE with no context, the native context cache, and the translated cache."""
+        _, _, target = self._models(params, llm_states)
+        batch_size, context_length = batch.context.shape
+        capacity = context_length + batch.prompt.shape[1]
+        _, native, _ = target.run_layers(
+            batch.context, batch.context_mask, cache=target.init_cache(batch_size, capacity), fresh=True
+        )
+        return dict(
+            no_context=objective.prompt_cross_entropy(target, None, batch),
+            native=objective.prompt_cross_entropy(target, native, batch),
+            translated=self._eval_step(params, llm_states, batch)["ce"],
+        )
+
+    def _skip_sums_step(self, params, llm_states, batch):
+        translator, source, target = self._models(params, llm_states)
+        source_cache, _, native = objective.frozen_forwards(source, target, batch, topk=0)
+        return linear_skip_sums(
+            translator, source, target, source_cache, batch.alignment, native, batch.context_mask, batch.context
+        )
+
+    # -- host side --
+    def place(self, batch, micro: bool):
+        """This process's rows of a numpy batch (all rows in a single process) -> global device arrays, the batch
+        axis (1 for stacked micro-batches, else 0) over `data`; JAX infers the global batch from the mesh."""
+        lead = (None,) if micro else ()
+        put = lambda x: jax.make_array_from_process_local_data(
+            NamedSharding(self.mesh, PartitionSpec(*lead, "data", *([None] * (x.ndim - len(lead) - 1)))), x
+        )
+        return jax.tree.map(put, batch)
+
+    def trace_train_step(self, batches):
+        """The jitted train step traced on stacked micro-batches (`stack`), to lower and compile it by hand: the
+        benchmark's FLOP count and memory plan. Calling the compiled step donates `self.state`."""
+        return self._train.trace(self.state, self.llm_states, self.place(batches, micro=True))
+
+    def train_step(self, batches):
+        self.state, metrics = self._train(self.state, self.llm_states, self.place(batches, micro=True))
+        return metrics
+
+    def evaluate(self, batches, fn=None) -> dict:
+        fn = fn or self._eval
+        results = [fn(self.state["params"], self.llm_states, self.place(b, micro=False)) for b in batches]
+        return {k: float(np.mean([r[k] for r in results])) for k in results[0]} if results else {}
+
+    def baselines(self, batches) -> dict:
+        return self.evaluate(batches, self._baselines)
+
+    def fit_linear_skip(self, batches) -> dict:
+        """Set the K and V linear skips to the least-squares fit of the native K/V left over by the (untrained)
+        mixtures on `batches`; returns {"key"/"value": (residual MSE before, after)} on those batches."""
+        totals = None  # added up batch by batch: one batch's products can take hundreds of MB
+        for b in batches:
+            part = jax.device_get(self._skip_sums(self.state["params"], self.llm_states, self.place(b, micro=False)))
+            part = jax.tree.map(lambda a: np.asarray(a, np.float64), part)
+            totals = part if totals is None else jax.tree.map(np.add, totals, part)
+        translator = nnx.merge(self.graphdef, self.state["params"])
+        errors = {}
+        for name in ("key", "value"):
+            kernel, bias, *errors[name] = solve_linear_skip(totals[name])
+            skip = getattr(translator, f"{name}_skip")
+            for var, value in ((skip.kernel, kernel), (skip.bias, bias)):
+                var.set_value(jax.device_put(value.astype(var.dtype), var[...].sharding))
+        self.state["params"] = nnx.state(translator, nnx.Param)
+        return errors
+
+
+def stack(batches: list) -> dict:
+    return jax.tree.map(lambda *x: np.stack(x), *batches)
+
+
+class NonFinite(MotJaxError):
+    def __init__(self, step, what):
+        super().__init__(f"{what} at step {step}")
+        self.step = step
+
+
+def fit(trainer: Trainer, stream, start: int, steps: int, on_step=None):
+    """Run steps [start, steps) with micro-batches `stream.batch(position)` (prepared on a background thread while
+    the device computes); `on_step(step, metrics, seconds)` after each. Raises NonFinite, naming the step, on a
+    non-finite loss or a non-finite state after the update."""
+    accum = trainer.config.grad_accum
+    micro_batches = data.prefetch(stream, start * accum, (steps - start) * accum)
+    try:
+        for step in range(start, steps):
+            began = time.perf_counter()
+            metrics = jax.device_get(trainer.train_step(stack([next(micro_batches) for _ in range(accum)])))
+            if not math.isfinite(float(metrics["loss"])):
+                raise NonFinite(step + 1, f"The loss became {float(metrics['loss'])}")
+            if not metrics.pop("state_finite"):
+                raise NonFinite(step + 1, "The parameters or optimizer state became non-finite")
+            if on_step:
+                on_step(step + 1, metrics, time.perf_counter() - began)
+    finally:
+        micro_batches.close()
+
+
+def start_linear_skip(trainer: Trainer, stream, num_batches: int):
+    """The least-squares start of the linear skips, on the first `num_batches` training batches (logged)."""
+    if num_batches < 1:
+        raise MotJaxError(
+            f"translator.skip_fit_batches={num_batches} leaves nothing to fit the linear skip on; pass at least 1."
+        )
+    began = time.perf_counter()
+    errors = trainer.fit_linear_skip([stream.batch(i) for i in range(num_batches)])
+    logging.info(
+        "Linear skip fitted by least squares on %d batches in %.0f s: mean squared error of K %.4f -> %.4f, V %.4f -> "
+        "%.4f",
+        num_batches,
+        time.perf_counter() - began,
+        *errors["key"],
+        *errors["value"],
+    )
+
+
+def count_params(params) -> int:
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
