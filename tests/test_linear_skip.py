@@ -8,6 +8,7 @@ import pytest
 from flax import nnx
 from training_helpers import tiny_batch
 
+from mot_jax.jit import jit
 from mot_jax.training import objective
 from mot_jax.translate import channels
 from mot_jax.translate.translator import (
@@ -26,6 +27,11 @@ def pair(random_pair):
     source, target, source_tok, target_tok = random_pair
     # 4 rows of 40 context tokens: more fitted tokens than the 32 source features of a window layer
     return source, target, tiny_batch(source_tok, target_tok, batch=4, context=40, source_length=160)
+
+
+# Each as one program: run eagerly, every operation of the models' forwards compiles on its own
+frozen_forwards = jit(objective.frozen_forwards, static_argnames=("topk",))
+skip_sums = jit(linear_skip_sums)
 
 
 def window_error(translator, source, target, batch, frozen):
@@ -61,14 +67,14 @@ def test_least_squares_skip_minimises_the_translated_kv_error(pair, mode, rotary
                          linear_skip=True)  # fmt: skip
     translator = KVTranslator(spec, cfg, rngs=nnx.Rngs(0))
     graphdef, initial = nnx.split(translator, nnx.Param)
-    frozen = objective.frozen_forwards(source, target, batch, topk=0)
+    frozen = frozen_forwards(source, target, batch, topk=0)
     errors = jax.jit(lambda params: window_error(nnx.merge(graphdef, params), source, target, batch, frozen))
     # the K skip changes only the K error and the V skip only the V error, so one gradient of the sum serves both
     gradient = jax.jit(jax.grad(lambda params: sum(errors(params))))
     before, at_zero = errors(initial), gradient(initial)  # the skips start at zero
 
-    sums = linear_skip_sums(translator, source, target, frozen[0], batch.alignment, frozen[2],
-                            jnp.asarray(batch.context_mask), jnp.asarray(batch.context))  # fmt: skip
+    mask, context = jnp.asarray(batch.context_mask), jnp.asarray(batch.context)
+    sums = skip_sums(translator, source, target, frozen[0], batch.alignment, frozen[2], mask, context)
     reported = {}
     for name in ("key", "value"):
         kernel, bias, *reported[name] = solve_linear_skip(jax.device_get(sums[name]), ridge=1e-9)
