@@ -11,6 +11,8 @@ import jax
 from absl import logging
 from etils import epath
 
+from mot_jax.outputs import markdown_table
+
 
 class Logger:
     """absl logs (with tokens/s and ETA), TensorBoard event files (tensorboardX, no TensorFlow) and, on a terminal,
@@ -61,6 +63,5 @@ def evaluation_table(results: dict) -> str:
         ("translated (untrained)", results.get("untrained")),
         ("translated (trained)", results["translated"]),
     ]
-    lines = ["| method | prompt CE | perplexity |", "|---|---|---|"]
-    lines += [f"| {name} | {ce:.4f} | {math.exp(min(ce, 50)):.2f} |" for name, ce in rows if ce is not None]
-    return "\n".join(lines)
+    cells = [(name, f"{ce:.4f}", f"{math.exp(min(ce, 50)):.2f}") for name, ce in rows if ce is not None]
+    return markdown_table(("method", "prompt CE", "perplexity"), cells)
