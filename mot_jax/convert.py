@@ -123,9 +123,15 @@ def main(argv):
         raise app.UsageError("--model is required (an embedded model name, a .gguf file, an id or a directory).")
     try:
         status = convert(
-            FLAGS.model, FLAGS.check, atol=FLAGS.atol, rtol=FLAGS.rtol, dtype=FLAGS.dtype, prompts=FLAGS.prompt,
-            new_tokens=FLAGS.new_tokens, seed=FLAGS.seed,
-        )  # fmt: skip
+            FLAGS.model,
+            FLAGS.check,
+            atol=FLAGS.atol,
+            rtol=FLAGS.rtol,
+            dtype=FLAGS.dtype,
+            prompts=FLAGS.prompt,
+            new_tokens=FLAGS.new_tokens,
+            seed=FLAGS.seed,
+        )
         sys.exit(status)
     except MotJaxError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -18,8 +18,9 @@ from mot_jax.evals.config import defaults
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Training workdir of the translator to evaluate.")
 _COMPARE = flags.DEFINE_list("compare", [], "More training workdirs (same model pair) to evaluate beside it.")
-_TASK = flags.DEFINE_string("task", None, "One task instead of the config's: extractive_qa, closed_qa, "
-                            "long_context or multi_agent.")  # fmt: skip
+_TASK = flags.DEFINE_string(
+    "task", None, "One task instead of the config's: extractive_qa, closed_qa, long_context or multi_agent."
+)
 _DATA = flags.DEFINE_string("data", None, "Examples for --task: FILE.jsonl, NAME or NAME:PATH (default synthetic).")
 _OUT = flags.DEFINE_string("out", None, "Report folder (default WORKDIR/eval).")
 flags.mark_flags_as_required(["workdir"])

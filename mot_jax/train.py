@@ -26,9 +26,11 @@ _COORDINATOR = flags.DEFINE_string(
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", os.environ.get("JAX_NUM_PROCESSES"), "Multi-process: N.")
 _PROCESS_ID = flags.DEFINE_integer("process_id", os.environ.get("JAX_PROCESS_ID"), "Multi-process: 0 .. N-1.")
 _DISTRIBUTED = flags.DEFINE_bool(
-    "distributed", None, "Join a multi-process run through jax.distributed (JAX detects the cluster); default: when "
-    "the flags above, SLURM, Open MPI or a Cloud TPU VM say so; --nodistributed: never."
-)  # fmt: skip
+    "distributed",
+    None,
+    "Join a multi-process run through jax.distributed (JAX detects the cluster); default: when "
+    "the flags above, SLURM, Open MPI or a Cloud TPU VM say so; --nodistributed: never.",
+)
 
 
 def main(argv):

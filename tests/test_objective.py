@@ -8,6 +8,7 @@ import pytest
 from flax import nnx
 from training_helpers import tiny_batch
 
+from mot_jax.jit import jit
 from mot_jax.training import objective
 from mot_jax.training.optim import warmup_cosine
 from mot_jax.translate import channels
@@ -25,7 +26,8 @@ def test_native_translation_gives_native_loss(random_pair, mode, monkeypatch):
     spec = TranslationSpec.build(mode, channel_map, 4, 4, sparse_attention=False)
     cfg = mixture_config(spec, source, target, dim=16, heads=2, depth=1, num_experts=1, output_activation="none")
     translator = KVTranslator(spec, cfg, rngs=nnx.Rngs(0))
-    frozen = objective.frozen_forwards(source, target, batch, topk=0)
+    # each computation as one program (run eagerly, each operation of the models' forwards compiles on its own)
+    frozen = jit(objective.frozen_forwards, static_argnames=("topk",))(source, target, batch, topk=0)
     native = frozen[2]
     layers = np.asarray(spec.target_layers)
     monkeypatch.setattr(
@@ -33,9 +35,11 @@ def test_native_translation_gives_native_loss(random_pair, mode, monkeypatch):
         "translate_window",
         lambda *a, **k: (native.k[layers], native.v[layers], {"key": {}, "value": {}}),
     )
-    loss, metrics = objective.context_correction(translator, source, target, batch, frozen, objective.LossWeights())
+    loss, metrics = jit(lambda *a: objective.context_correction(*a, objective.LossWeights()))(
+        translator, source, target, batch, frozen
+    )
     full = np.concatenate([batch.context, batch.prompt], 1)
-    logits, _ = target(jnp.asarray(full))
+    logits, _ = jit(lambda model, ids: model(ids))(target, jnp.asarray(full))
     reference = objective.token_cross_entropy(logits[:, batch.context.shape[1] :], batch.labels, batch.label_mask)
     np.testing.assert_allclose(metrics["ce"], reference, rtol=1e-5)
     assert float(metrics["mse_k"]) < 1e-10 and float(metrics["mse_v"]) < 1e-10

@@ -108,11 +108,20 @@ def make_plan(fail) -> Plan:
     if set(f.dtypes) - {"float32", "bfloat16"}:
         fail(f"--dtypes takes float32 and/or bfloat16, not {','.join(f.dtypes)}.")
     return Plan(
-        runs=f.runs, models=tuple(f.models), tokens=f.tokens, batches=batches, dtypes=tuple(f.dtypes),
-        pair=tuple(f.pair), lengths=lengths, decode_tokens=f.decode_tokens, decode_prompt=128,
-        mixture=DEFAULT_MIXTURE, align=dict(target="gemma3-270m", source="smollm2-135m", length=2048, batches=(1, 8)),
-        config_arg="", workdirs=tuple(f.workdirs),
-    )  # fmt: skip
+        runs=f.runs,
+        models=tuple(f.models),
+        tokens=f.tokens,
+        batches=batches,
+        dtypes=tuple(f.dtypes),
+        pair=tuple(f.pair),
+        lengths=lengths,
+        decode_tokens=f.decode_tokens,
+        decode_prompt=128,
+        mixture=DEFAULT_MIXTURE,
+        align=dict(target="gemma3-270m", source="smollm2-135m", length=2048, batches=(1, 8)),
+        config_arg="",
+        workdirs=tuple(f.workdirs),
+    )
 
 
 def main(argv):

@@ -14,12 +14,14 @@ def bench_align(plan: Plan) -> Section:
     rows, fast, fallback = [], [], []
     for canonical in (True, False):
         for batch in a["batches"]:
-            r = benchmark_alignment(target, source, length=a["length"], batch=batch, canonical=canonical,
-                                    runs=plan.runs)  # fmt: skip
+            r = benchmark_alignment(
+                target, source, length=a["length"], batch=batch, canonical=canonical, runs=plan.runs
+            )
             (fast if canonical else fallback).append(r["speedup"])
             kind = "re-encodable" if canonical else "not re-encodable"
-            rows.append((kind, batch, r["fallback_rows"], ms(r["ours_s"]), ms(r["reference_s"]),
-                         f"{r['speedup']:.0f}x"))  # fmt: skip
+            rows.append(
+                (kind, batch, r["fallback_rows"], ms(r["ours_s"]), ms(r["reference_s"]), f"{r['speedup']:.0f}x")
+            )
             log(f"  batch {batch} {kind}: {r['speedup']:.0f}x")
     intro = (
         f"{a['length']}-token {a['target']} texts (accents, CJK, emoji, whitespace runs, newlines) aligned to "

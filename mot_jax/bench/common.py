@@ -37,16 +37,44 @@ class Plan:
     quick: bool = False
 
 
-DEFAULT_MIXTURE = dict(tokens=512, source_width=192, target_width=256, window=5, dim=256, heads=4, depth=1,
-                       mlp_ratio=4, experts=(2, 4, 8), top_k=(1, 2))  # fmt: skip
+DEFAULT_MIXTURE = dict(
+    tokens=512,
+    source_width=192,
+    target_width=256,
+    window=5,
+    dim=256,
+    heads=4,
+    depth=1,
+    mlp_ratio=4,
+    experts=(2, 4, 8),
+    top_k=(1, 2),
+)
 QUICK = Plan(
-    runs=1, models=("tiny-gpt2", "tiny-qwen2"), tokens=64, batches=(1, 2), dtypes=("float32", "bfloat16"),
-    pair=("tiny-llama", "tiny-gemma3"), lengths=(32, 64), decode_tokens=8, decode_prompt=16,
-    mixture=dict(tokens=64, source_width=32, target_width=32, window=2, dim=32, heads=2, depth=1, mlp_ratio=2,
-                 experts=(2, 8), top_k=(1,)),
-    align=dict(target="random:gemma3", source="random:llama", length=128, batches=(1, 2)), config_arg="tiny,",
+    runs=1,
+    models=("tiny-gpt2", "tiny-qwen2"),
+    tokens=64,
+    batches=(1, 2),
+    dtypes=("float32", "bfloat16"),
+    pair=("tiny-llama", "tiny-gemma3"),
+    lengths=(32, 64),
+    decode_tokens=8,
+    decode_prompt=16,
+    mixture=dict(
+        tokens=64,
+        source_width=32,
+        target_width=32,
+        window=2,
+        dim=32,
+        heads=2,
+        depth=1,
+        mlp_ratio=2,
+        experts=(2, 8),
+        top_k=(1,),
+    ),
+    align=dict(target="random:gemma3", source="random:llama", length=128, batches=(1, 2)),
+    config_arg="tiny,",
     quick=True,
-)  # fmt: skip
+)
 
 
 @dataclasses.dataclass

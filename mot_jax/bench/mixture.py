@@ -36,8 +36,16 @@ def bench_mixture(plan: Plan) -> Section:
                 times[dispatch] = median_time(run, plan.runs)
                 slots = int(np.asarray(forward(model, x)[1]["stats"]["capacity"]))
             ratios[experts, k] = times["dense"] / times["sparse"]
-            rows.append((experts, k, ms(times["dense"]), ms(times["sparse"]), f"{ratios[experts, k]:.2f}x",
-                         f"{slots} / {tokens}"))  # fmt: skip
+            rows.append(
+                (
+                    experts,
+                    k,
+                    ms(times["dense"]),
+                    ms(times["sparse"]),
+                    f"{ratios[experts, k]:.2f}x",
+                    f"{slots} / {tokens}",
+                )
+            )
             log(f"  N={experts} k={k}: dense {ms(times['dense'])} ms, sparse {ms(times['sparse'])} ms")
     intro = (
         f"One K (or V) mixture of the offline pair's replay window (W = {base.window}, source width "
@@ -60,5 +68,6 @@ def bench_mixture(plan: Plan) -> Section:
             f"At N = 2, k = 2 every token goes to both experts and sparse does the dense work ({ratios[2, 2]:.2f}x)."
         )
     header = ("experts N", "top-k", "dense (ms)", "sparse (ms)", "speed-up", "query slots per expert")
-    return Section("Mixture: sparse dispatch against the dense (reference) path", intro, [Table(header, rows, 0)],
-                   notes)  # fmt: skip
+    return Section(
+        "Mixture: sparse dispatch against the dense (reference) path", intro, [Table(header, rows, 0)], notes
+    )

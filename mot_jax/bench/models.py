@@ -14,14 +14,25 @@ from mot_jax.models import tiny
 RANDOM = {
     "gpt2": dict(model_type="gpt2", n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=2048),
     "opt-125m": dict(
-        model_type="opt", num_hidden_layers=12, hidden_size=768, num_attention_heads=12, ffn_dim=3072,
-        vocab_size=50272, max_position_embeddings=2048,
+        model_type="opt",
+        num_hidden_layers=12,
+        hidden_size=768,
+        num_attention_heads=12,
+        ffn_dim=3072,
+        vocab_size=50272,
+        max_position_embeddings=2048,
     ),
     "qwen2-160m": dict(
-        model_type="qwen2", num_hidden_layers=12, hidden_size=896, num_attention_heads=14, num_key_value_heads=2,
-        intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True,
+        model_type="qwen2",
+        num_hidden_layers=12,
+        hidden_size=896,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        intermediate_size=4864,
+        vocab_size=151936,
+        tie_word_embeddings=True,
     ),
-}  # fmt: skip
+}
 RANDOM |= {
     f"tiny-{family}": tiny.hf_config(tiny.PREFIX + family) for family in ("gpt2", "opt", "qwen2", "llama", "gemma3")
 }
@@ -127,8 +138,10 @@ def compare_models(names, dtypes, lengths, batches, plan, tmp, decode=False):
                     ids = np.random.default_rng(0).integers(0, ours.config.vocab_size, size=(batch, length))
                     mo, mt, compile_s = bench_prefill(ours, theirs, ids, plan.runs)
                     prefill_rows.append((name, dtype, length, batch, mo, mt, compile_s))
-                    log(f"  {name} {dtype} T={length} B={batch}: mot_jax {ms(mo)} ms, transformers {ms(mt)} ms "
-                        f"(compile {compile_s:.1f} s)")  # fmt: skip
+                    log(
+                        f"  {name} {dtype} T={length} B={batch}: mot_jax {ms(mo)} ms, transformers {ms(mt)} ms "
+                        f"(compile {compile_s:.1f} s)"
+                    )
             if decode and plan.decode_tokens > 1:
                 rates = bench_decode(ours, theirs, plan.decode_tokens, plan.decode_prompt, plan.runs)
                 decode_rows.append((name, dtype, *rates))
@@ -138,8 +151,10 @@ def compare_models(names, dtypes, lengths, batches, plan, tmp, decode=False):
 
 def prefill_table(rows) -> Table:
     header = ("model", "dtype", "tokens", "batch", "mot_jax (ms)", "transformers (ms)", "speed-up", "jit compile (s)")
-    cells = [(name, dtype, length, batch, ms(mo), ms(mt), f"{mt / mo:.2f}x", f"{compile_s:.1f}")
-             for name, dtype, length, batch, mo, mt, compile_s in rows]  # fmt: skip
+    cells = [
+        (name, dtype, length, batch, ms(mo), ms(mt), f"{mt / mo:.2f}x", f"{compile_s:.1f}")
+        for name, dtype, length, batch, mo, mt, compile_s in rows
+    ]
     return Table(header, cells, left=2)
 
 
@@ -148,8 +163,10 @@ def rate(tokens_per_s) -> str:
 
 
 def decode_table(rows) -> Table:
-    cells = [(name, dtype, rate(ours), rate(theirs), f"{ours / theirs:.2f}x" if ours and theirs else "n/a")
-             for name, dtype, ours, theirs in rows]  # fmt: skip
+    cells = [
+        (name, dtype, rate(ours), rate(theirs), f"{ours / theirs:.2f}x" if ours and theirs else "n/a")
+        for name, dtype, ours, theirs in rows
+    ]
     return Table(("model", "dtype", "mot_jax (tokens/s)", "transformers (tokens/s)", "speed-up"), cells, left=2)
 
 
@@ -164,8 +181,10 @@ BF16_ON_CPU = (
 
 def weights(names) -> str:
     if all(name in RANDOM for name in names):
-        return ("random weights, `RANDOM` in `mot_jax/bench/models.py`: gpt2 and opt-125m at full size, Qwen2.5-0.5B's "
-                "layer shape at 12 layers, `tiny-*` the tiny random families")  # fmt: skip
+        return (
+            "random weights, `RANDOM` in `mot_jax/bench/models.py`: gpt2 and opt-125m at full size, Qwen2.5-0.5B's "
+            "layer shape at 12 layers, `tiny-*` the tiny random families"
+        )
     return "de-quantized GGUF weights for the embedded models: transformers reads our converted cache of the same file"
 
 
@@ -207,8 +226,15 @@ def bench_models(plan: Plan) -> Section:
                 "skipping the keys after each block.",
                 prefill_table(rows),
             ]
-            notes = [goal_note("float32 prefill faster than transformers in every cell", min(speedups(rows, "float32")),
-                               1.0, True, "{:.2f}x at the least")]  # fmt: skip
+            notes = [
+                goal_note(
+                    "float32 prefill faster than transformers in every cell",
+                    min(speedups(rows, "float32")),
+                    1.0,
+                    True,
+                    "{:.2f}x at the least",
+                )
+            ]
             if decode:
                 body += [
                     f"Greedy decode after a {plan.decode_prompt}-token prompt, batch 1: a jitted step into a "
@@ -219,8 +245,15 @@ def bench_models(plan: Plan) -> Section:
                 ]
                 rates = [ours / theirs for _, _, ours, theirs in decode if ours and theirs]
                 if rates:
-                    notes.append(goal_note("float32 greedy decode faster than transformers", min(rates), 1.0, True,
-                                           "{:.2f}x at the least"))  # fmt: skip
+                    notes.append(
+                        goal_note(
+                            "float32 greedy decode faster than transformers",
+                            min(rates),
+                            1.0,
+                            True,
+                            "{:.2f}x at the least",
+                        )
+                    )
             body.append(" ".join(notes))
     intro = (
         "Prefill of random token ids: both sides fill the KV cache and compute logits for the last position only "

@@ -80,8 +80,11 @@ def bench_train(plan: Plan) -> Section:
     accum = config.grad_accum
     batches = [stack([datasets.train.batch(p * accum + i) for i in range(accum)]) for p in range(plan.runs + 1)]
     variants, stats = {}, {}
-    for name, mode, dispatch in (("replay, sparse", "replay", "sparse"), ("replay, dense", "replay", "dense"),
-                                 ("direct, sparse", "direct", "sparse")):  # fmt: skip
+    for name, mode, dispatch in (
+        ("replay, sparse", "replay", "sparse"),
+        ("replay, dense", "replay", "dense"),
+        ("direct, sparse", "direct", "sparse"),
+    ):
         c = load_experiment(plan.config_arg + mode)
         c.translator.dispatch = dispatch
         spec, tcfg = setup.translation(c, resolve_channels(c, pair, datasets, mesh, None), pair)
@@ -116,10 +119,25 @@ def bench_train(plan: Plan) -> Section:
     for name in variants:
         s, seconds = stats[name], statistics.median(times[name])
         achieved = s["flops"] / seconds
-        mfu = (f"{achieved / (peak * mesh.size):.1%}" if peak else
-               "n/a (CPU)" if jax.default_backend() == "cpu" else "n/a (unknown peak)")  # fmt: skip
-        rows.append((name, f"{seconds:.3g}", f"{tokens / seconds:.0f}", f"{achieved / 1e9:.3g}", mfu,
-                     f"{s['planned'] / 2**30:.2f}", f"{s['compile_s']:.0f}", f"{dense / seconds:.2f}x"))  # fmt: skip
+        mfu = (
+            f"{achieved / (peak * mesh.size):.1%}"
+            if peak
+            else "n/a (CPU)"
+            if jax.default_backend() == "cpu"
+            else "n/a (unknown peak)"
+        )
+        rows.append(
+            (
+                name,
+                f"{seconds:.3g}",
+                f"{tokens / seconds:.0f}",
+                f"{achieved / 1e9:.3g}",
+                mfu,
+                f"{s['planned'] / 2**30:.2f}",
+                f"{s['compile_s']:.0f}",
+                f"{dense / seconds:.2f}x",
+            )
+        )
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
     t = config.translator
     intro = (
@@ -141,9 +159,19 @@ def bench_train(plan: Plan) -> Section:
     ]
     xla = stats["replay, sparse"]["xla_flops"]
     if xla:
-        notes.append(f"XLA's `cost_analysis()` of the replay step reports {xla / 1e9:.3g} GFLOP against "
-                     f"{stats['replay, sparse']['flops'] / 1e9:.3g} GFLOP of matmuls counted here: it counts each "
-                     "loop body once (the layer scan, the micro-batch scan).")  # fmt: skip
-    header = ("step", "step (s)", "target tokens/s", "GFLOP/s", "MFU", "step memory (GiB)", "jit compile (s)",
-              "speed-up vs replay dense")  # fmt: skip
+        notes.append(
+            f"XLA's `cost_analysis()` of the replay step reports {xla / 1e9:.3g} GFLOP against "
+            f"{stats['replay, sparse']['flops'] / 1e9:.3g} GFLOP of matmuls counted here: it counts each "
+            "loop body once (the layer scan, the micro-batch scan)."
+        )
+    header = (
+        "step",
+        "step (s)",
+        "target tokens/s",
+        "GFLOP/s",
+        "MFU",
+        "step memory (GiB)",
+        "jit compile (s)",
+        "speed-up vs replay dense",
+    )
     return Section(f"Training step: configs/{EXPERIMENT}", intro, [Table(header, rows)], notes)

@@ -20,8 +20,9 @@ def ttft_methods(plan: Plan):
         from mot_jax.evals.run import trained_methods
 
         translated, config = trained_methods(plan.workdirs, "last")
-        pair = setup.load_pair(ml_collections.ConfigDict(dict(source=config.source, target=config.target,
-                                                               dtype=config.dtype)))  # fmt: skip
+        pair = setup.load_pair(
+            ml_collections.ConfigDict(dict(source=config.source, target=config.target, dtype=config.dtype))
+        )
         what = f"{config.source} -> {config.target}, trained translators ("
         what += ", ".join(f"`{m.workdir}` step {m.step}" for m in translated) + ")"
         return pair, [Native(), *translated], what
@@ -42,8 +43,10 @@ def ttft_methods(plan: Plan):
 def describe(method, target) -> str:
     spec, cfg = method.translator.spec, method.translator.cfg
     name = method.name if spec.mode in method.name else f"{method.name} ({spec.mode})"
-    text = (f"{name}: {len(spec.target_layers)} of the target's {target.config.num_layers} "
-            f"layers, translator dim {cfg.dim}, {cfg.num_experts} experts (k = {cfg.top_k})")  # fmt: skip
+    text = (
+        f"{name}: {len(spec.target_layers)} of the target's {target.config.num_layers} "
+        f"layers, translator dim {cfg.dim}, {cfg.num_experts} experts (k = {cfg.top_k})"
+    )
     if spec.attention_topk:
         text += f", sparse top-{spec.attention_topk} attention from the source's attention"
     return text + ("" if cfg.fused_output else ", one output projection per layer")
@@ -86,18 +89,27 @@ def bench_ttft(plan: Plan) -> Section:
     direct = next((m for m in translated if m.translator.spec.mode == "direct"), None)
     reference = direct or translated[0]  # whose source prefill the table shows
     mib = lambda n: f"{n / 2**20:.2f}"
-    header = ("context tokens", *(f"{m.name} TTFT (ms)" for m in methods), "source prefill (ms)",
-              *(f"{m.name} / native" for m in translated), "target KV (MiB)",
-              *(f"{m.name} handed over (MiB)" for m in translated))  # fmt: skip
+    header = (
+        "context tokens",
+        *(f"{m.name} TTFT (ms)" for m in methods),
+        "source prefill (ms)",
+        *(f"{m.name} / native" for m in translated),
+        "target KV (MiB)",
+        *(f"{m.name} handed over (MiB)" for m in translated),
+    )
     indices = range(len(lengths))
     ratios = {m.name: [at[m.name, i]["ttft_s"] / at[native.name, i]["ttft_s"] for i in indices] for m in translated}
     table_rows = [
-        (at[native.name, i]["context_tokens"], *(ms(at[m.name, i]["ttft_s"]) for m in methods),
-         ms(at[reference.name, i]["ttft_with_source_s"] - at[reference.name, i]["ttft_s"]),
-         *(f"{ratios[m.name][i]:.2f}" for m in translated), mib(at[native.name, i]["target_kv_bytes"]),
-         *(mib(at[m.name, i]["handed_bytes"]) for m in translated))
+        (
+            at[native.name, i]["context_tokens"],
+            *(ms(at[m.name, i]["ttft_s"]) for m in methods),
+            ms(at[reference.name, i]["ttft_with_source_s"] - at[reference.name, i]["ttft_s"]),
+            *(f"{ratios[m.name][i]:.2f}" for m in translated),
+            mib(at[native.name, i]["target_kv_bytes"]),
+            *(mib(at[m.name, i]["handed_bytes"]) for m in translated),
+        )
         for i in indices
-    ]  # fmt: skip
+    ]
     tokens = [at[native.name, i]["context_tokens"] for i in indices]
     series = {m.name: [at[m.name, i]["ttft_s"] for i in indices] for m in methods}
     series[f"{reference.name} + source prefill"] = [at[reference.name, i]["ttft_with_source_s"] for i in indices]
@@ -116,12 +128,21 @@ def bench_ttft(plan: Plan) -> Section:
         ratio = ratios[direct.name][tokens.index(2048)]
         notes.append(goal_note("direct at most half of native prefill at 2,048 tokens", ratio, 0.5, False))
         if ratio > 0.5:
-            notes.append("The translator's cross-attention over the whole context is O(T^2) in every block, like "
-                         "the target's own attention; a causal, blocked translator attention or a local window is "
-                         "the next step.")  # fmt: skip
+            notes.append(
+                "The translator's cross-attention over the whole context is O(T^2) in every block, like "
+                "the target's own attention; a causal, blocked translator attention or a local window is "
+                "the next step."
+            )
     for m in translated:
         if m.translator.spec.mode == "replay":
-            notes.append(f"{m.name} / native: {span(ratios[m.name])}; replay re-reads the context through the target "
-                         "after the translation, so it costs more than native prefill by design.")  # fmt: skip
-    return Section("Time to first token: native, replay and direct", intro, [Table(header, table_rows, 0)], notes,
-                   plot=lambda path: ttft_plot(tokens, series, path))  # fmt: skip
+            notes.append(
+                f"{m.name} / native: {span(ratios[m.name])}; replay re-reads the context through the target "
+                "after the translation, so it costs more than native prefill by design."
+            )
+    return Section(
+        "Time to first token: native, replay and direct",
+        intro,
+        [Table(header, table_rows, 0)],
+        notes,
+        plot=lambda path: ttft_plot(tokens, series, path),
+    )

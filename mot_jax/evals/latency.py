@@ -56,9 +56,19 @@ def planned_bytes(models, method, contexts, suffix_ids, suffix_mask, settings: S
         read = read_source(spec, models.source, *tokenizers, contexts.ids, contexts.mask)
         if read.cache is not None:
             programs.append(source_prefill.lower(models.source, read.ids, read.mask, topk=spec.attention_topk))
-        programs.append(translate_jit.lower(method.translator, models.source, models.target, read.cache,
-                                            read.alignment, contexts.ids, contexts.mask, read.topk,
-                                            capacity=capacity))  # fmt: skip
+        programs.append(
+            translate_jit.lower(
+                method.translator,
+                models.source,
+                models.target,
+                read.cache,
+                read.alignment,
+                contexts.ids,
+                contexts.mask,
+                read.topk,
+                capacity=capacity,
+            )
+        )
     elif isinstance(method, Native):
         programs.append(prefill.lower(models.target, contexts.ids, contexts.mask, capacity=capacity))
     else:
@@ -88,15 +98,18 @@ def latency(models, methods, example: dict, lengths, settings: Settings, runs: i
             cache, handed = method.build(models, contexts, capacity_for(contexts, suffix_ids, 1), Stopwatch())
             own = stages.get(method.source_stage, 0.0) if method.source_stage else 0.0
             last = i == len(lengths) - 1
-            rows.append(dict(
-                method=method.name,
-                context_tokens=keep,
-                ttft_s=sum(stages.values()) - own,
-                ttft_with_source_s=sum(stages.values()),
-                stages=stages,
-                handed_bytes=int(handed[0]),
-                target_kv_bytes=held_bytes(models.target, cache),
-                planned_bytes=planned_bytes(models, method, contexts, suffix_ids, suffix_mask, settings)
-                if memory and last else None,
-            ))  # fmt: skip
+            rows.append(
+                dict(
+                    method=method.name,
+                    context_tokens=keep,
+                    ttft_s=sum(stages.values()) - own,
+                    ttft_with_source_s=sum(stages.values()),
+                    stages=stages,
+                    handed_bytes=int(handed[0]),
+                    target_kv_bytes=held_bytes(models.target, cache),
+                    planned_bytes=planned_bytes(models, method, contexts, suffix_ids, suffix_mask, settings)
+                    if memory and last
+                    else None,
+                )
+            )
     return rows

@@ -136,9 +136,18 @@ class Translated(Method):
         """(target cache, aux) of the translator writing the contexts' target grid from `read` (`read_source`)."""
         return watch.lap(
             "translation",
-            translate_jit(self.translator, models.source, models.target, read.cache, read.alignment, contexts.ids,
-                          contexts.mask, read.topk, capacity=capacity),
-        )  # fmt: skip
+            translate_jit(
+                self.translator,
+                models.source,
+                models.target,
+                read.cache,
+                read.alignment,
+                contexts.ids,
+                contexts.mask,
+                read.topk,
+                capacity=capacity,
+            ),
+        )
 
     def handed(self, models, source_mask) -> np.ndarray:
         spec = self.translator.spec

@@ -176,8 +176,12 @@ def batches(models, examples, settings: Settings, questions=None, donors: bool =
         contexts = Contexts(examples[rows], closed, ids, mask, passages[rows])
         if donor:
             picked = donor[rows]
-            contexts.donors = Contexts([examples[j] for j in picked], closed, *padded([prefixes[j] for j in picked],
-                                       BUCKET), [passages[j] for j in picked])  # fmt: skip
+            contexts.donors = Contexts(
+                [examples[j] for j in picked],
+                closed,
+                *padded([prefixes[j] for j in picked], BUCKET),
+                [passages[j] for j in picked],
+            )
         yield contexts, *padded(suffixes[rows], SUFFIX_BUCKET)
 
 

@@ -25,20 +25,53 @@ def task_table(task: str, entry: dict) -> str:
     methods = entry["methods"]
     if task == "multi_agent":
         header = ["method", "F1", "retention", "context seconds / document", "target KV held (MiB)", "one shared cache"]
-        rows = [[name, f"{m['f1']:.3f}", _pct(m["retention"]), _seconds(m["context_seconds"]),
-                 f"{m['target_kv_bytes'] / MIB:.2f}", "yes" if m["shares_one_cache"] else "no"]
-                for name, m in methods.items()]  # fmt: skip
+        rows = [
+            [
+                name,
+                f"{m['f1']:.3f}",
+                _pct(m["retention"]),
+                _seconds(m["context_seconds"]),
+                f"{m['target_kv_bytes'] / MIB:.2f}",
+                "yes" if m["shares_one_cache"] else "no",
+            ]
+            for name, m in methods.items()
+        ]
         return outputs.markdown_table(header, rows)
     if "accuracy" in next(iter(methods.values())):
-        header = ["method", "accuracy (generation)", "retention", "unparsed", "accuracy (option likelihood)",
-                  "retention", "examples/s"]  # fmt: skip
-        rows = [[name, f"{m['accuracy']:.3f}", _pct(m["retention"]), f"{m['unparsed']:.0%}",
-                 f"{m['likelihood_accuracy']:.3f}", _pct(m["likelihood_retention"]), f"{m['examples_per_s']:.2f}"]
-                for name, m in methods.items()]  # fmt: skip
+        header = [
+            "method",
+            "accuracy (generation)",
+            "retention",
+            "unparsed",
+            "accuracy (option likelihood)",
+            "retention",
+            "examples/s",
+        ]
+        rows = [
+            [
+                name,
+                f"{m['accuracy']:.3f}",
+                _pct(m["retention"]),
+                f"{m['unparsed']:.0%}",
+                f"{m['likelihood_accuracy']:.3f}",
+                _pct(m["likelihood_retention"]),
+                f"{m['examples_per_s']:.2f}",
+            ]
+            for name, m in methods.items()
+        ]
         return outputs.markdown_table(header, rows)
     header = ["method", "F1", "EM", "retention", "bytes handed over", "examples/s"]
-    rows = [[name, f"{m['f1']:.3f}", f"{m['exact_match']:.3f}", _pct(m["retention"]), f"{m['handed_bytes']:,.0f}",
-             f"{m['examples_per_s']:.2f}"] for name, m in methods.items()]  # fmt: skip
+    rows = [
+        [
+            name,
+            f"{m['f1']:.3f}",
+            f"{m['exact_match']:.3f}",
+            _pct(m["retention"]),
+            f"{m['handed_bytes']:,.0f}",
+            f"{m['examples_per_s']:.2f}",
+        ]
+        for name, m in methods.items()
+    ]
     return outputs.markdown_table(header, rows)
 
 
@@ -47,18 +80,35 @@ def budget_table(entry: dict) -> str:
     names = list(entry["budgets"][budgets[0]])
     rows = []
     for name in names:
-        cells = [f"{entry['budgets'][b][name]['f1']:.3f} ({_pct(entry['budgets'][b][name]['retention'])})"
-                 for b in budgets]  # fmt: skip
+        cells = [
+            f"{entry['budgets'][b][name]['f1']:.3f} ({_pct(entry['budgets'][b][name]['retention'])})" for b in budgets
+        ]
         rows.append([name, *cells])
     return outputs.markdown_table(["method", *(f"F1 at {b} tokens (retention)" for b in budgets)], rows)
 
 
 def latency_table(rows: list[dict]) -> str:
-    header = ["method", "context tokens", "TTFT (ms)", "TTFT incl. source prefill (ms)", "handed over (KiB)",
-              "target KV (MiB)", "memory plan (MiB)"]  # fmt: skip
-    cells = [[r["method"], r["context_tokens"], f"{r['ttft_s'] * 1e3:.1f}", f"{r['ttft_with_source_s'] * 1e3:.1f}",
-              f"{r['handed_bytes'] / 1024:,.1f}", f"{r['target_kv_bytes'] / MIB:.2f}",
-              "-" if r["planned_bytes"] is None else f"{r['planned_bytes'] / MIB:,.0f}"] for r in rows]  # fmt: skip
+    header = [
+        "method",
+        "context tokens",
+        "TTFT (ms)",
+        "TTFT incl. source prefill (ms)",
+        "handed over (KiB)",
+        "target KV (MiB)",
+        "memory plan (MiB)",
+    ]
+    cells = [
+        [
+            r["method"],
+            r["context_tokens"],
+            f"{r['ttft_s'] * 1e3:.1f}",
+            f"{r['ttft_with_source_s'] * 1e3:.1f}",
+            f"{r['handed_bytes'] / 1024:,.1f}",
+            f"{r['target_kv_bytes'] / MIB:.2f}",
+            "-" if r["planned_bytes"] is None else f"{r['planned_bytes'] / MIB:,.0f}",
+        ]
+        for r in rows
+    ]
     return outputs.markdown_table(header, cells)
 
 
@@ -73,9 +123,11 @@ def markdown(results: dict) -> str:
         f"{meta['seconds']:.0f} s. Retention = the method's score as a percentage of native context's.",
     ]
     if meta["config"].get("shuffled_source"):
-        lines[-1] += (" Rows named \"..., shuffled source\": the same translator writing each example's cache from "
-                      "another example's source cache (a control; a translated method carries the context only where "
-                      "it beats it; no TTFT of its own).")  # fmt: skip
+        lines[-1] += (
+            ' Rows named "..., shuffled source": the same translator writing each example\'s cache from '
+            "another example's source cache (a control; a translated method carries the context only where "
+            "it beats it; no TTFT of its own)."
+        )
     for task, entry in results["tasks"].items():
         lines += ["", f"## {task} ({entry['examples']} examples)", ""]
         lines.append(budget_table(entry) if task == "long_context" else task_table(task, entry))
@@ -133,11 +185,18 @@ def plots(results: dict, folder: epath.Path) -> list[str]:
         # markers on both series: with one length evaluated each is one point, which a line alone does not draw
         for name in dict.fromkeys(r["method"] for r in results["latency"]):
             rows = [r for r in results["latency"] if r["method"] == name]
-            line = ax.plot([r["context_tokens"] for r in rows], [r["ttft_s"] * 1e3 for r in rows], marker="o",
-                           label=name)  # fmt: skip
+            line = ax.plot(
+                [r["context_tokens"] for r in rows], [r["ttft_s"] * 1e3 for r in rows], marker="o", label=name
+            )
             if any(r["ttft_with_source_s"] != r["ttft_s"] for r in rows):
-                ax.plot([r["context_tokens"] for r in rows], [r["ttft_with_source_s"] * 1e3 for r in rows], ls="--",
-                        marker="x", color=line[0].get_color(), label=f"{name} + source prefill")  # fmt: skip
+                ax.plot(
+                    [r["context_tokens"] for r in rows],
+                    [r["ttft_with_source_s"] * 1e3 for r in rows],
+                    ls="--",
+                    marker="x",
+                    color=line[0].get_color(),
+                    label=f"{name} + source prefill",
+                )
         ax.set(xscale="log", yscale="log", xlabel="context tokens", ylabel="TTFT (ms)", title="Time to first token")
         ax.legend(fontsize=8)
         written.append(_save(fig, folder / "ttft_vs_length.png"))

@@ -101,8 +101,7 @@ def baseline_methods(config) -> list:
     unknown = sorted(set(names) - set(BASELINES))
     if unknown:
         raise MotJaxError(f"Unknown method {unknown[0]!r} in methods; use some of {', '.join(BASELINES)}.")
-    make = dict(no_context=NoContext, native=Native, text_relay=lambda: TextRelay(
-        config.relay_tokens))  # fmt: skip
+    make = dict(no_context=NoContext, native=Native, text_relay=lambda: TextRelay(config.relay_tokens))
     return [make[name]() for name in BASELINES if name in names]
 
 
@@ -130,8 +129,9 @@ def evaluate(workdir, config: ml_collections.ConfigDict, compare=(), out=None) -
     workdirs = [str(workdir), *map(str, compare)]
     translated, train_config = trained_methods(workdirs, config.which, config.replay_attention)
     methods = baseline_methods(config) + with_controls(translated, config.shuffled_source)
-    pair_config = ml_collections.ConfigDict(dict(source=train_config.source, target=train_config.target,
-                                                 dtype=config.dtype or train_config.dtype))  # fmt: skip
+    pair_config = ml_collections.ConfigDict(
+        dict(source=train_config.source, target=train_config.target, dtype=config.dtype or train_config.dtype)
+    )
     models = load_pair(pair_config)
     settings = Settings(config.batch_size, config.max_new_tokens)
     results = dict(tasks={}, routing={})
@@ -142,8 +142,9 @@ def evaluate(workdir, config: ml_collections.ConfigDict, compare=(), out=None) -
         )
 
     for task in tasks:
-        logging.info("Evaluating %s on %s with %s", task, config.data or "the synthetic set", ", ".join(
-            m.name for m in methods))  # fmt: skip
+        logging.info(
+            "Evaluating %s on %s with %s", task, config.data or "the synthetic set", ", ".join(m.name for m in methods)
+        )
         watch = Progress(task, "example")
         if task == "multi_agent":
             documents = examples(task, questions_per_example=config.agents)
@@ -169,8 +170,9 @@ def evaluate(workdir, config: ml_collections.ConfigDict, compare=(), out=None) -
         if len(ttft.lengths) < len(lengths):
             logging.warning("TTFT lengths above %d do not fit the target model; skipped.", ttft.limit)
         logging.info("Timing TTFT at %s context tokens", ", ".join(map(str, ttft.lengths)))
-        results["latency"] = latency(models, methods, ttft.example, ttft.lengths, settings, config.ttft_runs,
-                                     config.memory)  # fmt: skip
+        results["latency"] = latency(
+            models, methods, ttft.example, ttft.lengths, settings, config.ttft_runs, config.memory
+        )
     for method in translated:
         if method.load:
             results["routing"][method.name] = {part: load.tolist() for part, load in method.load.items()}

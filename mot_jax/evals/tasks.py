@@ -67,17 +67,24 @@ def evaluate_examples(models, methods, examples, settings: Settings, progress=No
         for method in methods:
             watch = Stopwatch()
             cache, handed = method.build(models, contexts, capacity, watch)
-            out = watch.lap("answer", generate_from_cache(
-                models.target, cache, suffix_ids, suffix_mask, max_new_tokens=settings.max_new_tokens, eos_ids=eos
-            ))  # fmt: skip
+            out = watch.lap(
+                "answer",
+                generate_from_cache(
+                    models.target, cache, suffix_ids, suffix_mask, max_new_tokens=settings.max_new_tokens, eos_ids=eos
+                ),
+            )
             texts = decode_answers(models.target_tokenizer, out, eos)
             scores = options.scores(models.target, cache) if closed else None
             row = rows[method.name]
             row["timed"].append((len(texts), sum(watch.stages.values())))
             row["handed"] += handed.tolist()
             for b, (example, text) in enumerate(zip(contexts.examples, texts)):
-                prediction = dict(question=example["question"], gold=gold_answers(example), generation=text,
-                                  answer=metrics.first_line(text))  # fmt: skip
+                prediction = dict(
+                    question=example["question"],
+                    gold=gold_answers(example),
+                    generation=text,
+                    answer=metrics.first_line(text),
+                )
                 if closed:
                     chosen = metrics.match_choice(text, example["choices"])
                     prediction["choice"] = None if chosen is None else example["choices"][chosen]
@@ -148,17 +155,24 @@ def evaluate_agents(models, methods, documents, settings: Settings, progress=Non
         for method in methods:
             cache, _ = method.build(models, contexts, capacity, Stopwatch())
             for k, (suffix_ids, suffix_mask) in enumerate(suffixes):  # every agent reuses the one cache
-                out = generate_from_cache(models.target, cache, suffix_ids, suffix_mask,
-                                          max_new_tokens=settings.max_new_tokens, eos_ids=eos)  # fmt: skip
+                out = generate_from_cache(
+                    models.target, cache, suffix_ids, suffix_mask, max_new_tokens=settings.max_new_tokens, eos_ids=eos
+                )
                 docs = documents[index * settings.batch_size :][: len(contexts.examples)]
                 texts = decode_answers(models.target_tokenizer, out, eos)
                 for b, (text, doc) in enumerate(zip(texts, docs)):
                     answer_text = metrics.first_line(text)
                     scores[method.name].append(metrics.f1(answer_text, doc["answers"][k]))
-                    predictions[method.name].append(dict(
-                        index=index * settings.batch_size + b, agent=k, question=doc["questions"][k],
-                        gold=doc["answers"][k], generation=text, answer=answer_text,
-                    ))  # fmt: skip
+                    predictions[method.name].append(
+                        dict(
+                            index=index * settings.batch_size + b,
+                            agent=k,
+                            question=doc["questions"][k],
+                            gold=doc["answers"][k],
+                            generation=text,
+                            answer=answer_text,
+                        )
+                    )
         if progress:
             progress(min((index + 1) * settings.batch_size, len(documents)), len(documents))
     results = {name: dict(f1=float(np.mean(values)), agents=agents) for name, values in scores.items()}

@@ -28,9 +28,14 @@ def export_workdir(workdir, out, which="last"):
     trained = load_trained(workdir, which)
     c = trained.config
     extra = dict(
-        source=c.source, target=c.target, source_length=c.data.source_length, dtype=c.dtype, step=trained.step,
-        channel_map=trained.meta["channel_map"], trained_steps=c.steps,
-    )  # fmt: skip
+        source=c.source,
+        target=c.target,
+        source_length=c.data.source_length,
+        dtype=c.dtype,
+        step=trained.step,
+        channel_map=trained.meta["channel_map"],
+        trained_steps=c.steps,
+    )
     return weights.export(trained.translator, trained.source_config, trained.target_config, out, extra), trained
 
 
@@ -39,8 +44,10 @@ def main(argv):
         raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
     logging.set_verbosity(logging.WARNING)  # Orbax reports every read at INFO
     out, trained = run_or_exit(export_workdir, _WORKDIR.value, _OUT.value, _WHICH.value)
-    print(f"exported the translator of step {trained.step} ({trained.config.source} -> {trained.config.target}, "
-          f"{trained.translator.spec.mode}) to {out}")  # fmt: skip
+    print(
+        f"exported the translator of step {trained.step} ({trained.config.source} -> {trained.config.target}, "
+        f"{trained.translator.spec.mode}) to {out}"
+    )
 
 
 if __name__ == "__main__":

@@ -244,8 +244,9 @@ class Experts(nn.Module):
         states = torch.stack(last_stage, dim=3)  # [E, B, T, W, D]
         norm, proj = self.output_norm, self.output_proj
         if cfg.fused_output:
-            y = linear(layer_norm(states.reshape(*states.shape[:3], -1), norm.scale, norm.bias, True), proj.kernel,
-                       proj.bias)  # fmt: skip
+            y = linear(
+                layer_norm(states.reshape(*states.shape[:3], -1), norm.scale, norm.bias, True), proj.kernel, proj.bias
+            )
         else:
             y = torch.einsum("ebtwd,ewdo->ebtwo", layer_norm(states, norm.scale, norm.bias, True), proj.kernel)
             y = y + proj.bias[:, None, None]
@@ -469,8 +470,9 @@ class KVTranslator(nn.Module):
             else:
                 positions = torch.as_tensor(source_positions, device=k.device)
             freq = self.rope.source_inv_freq
-            k = torch.stack([apply_rope(k[:, :, i], -positions, freq[li]) for i, li in enumerate(cfg.source_layers)],
-                            dim=2)  # fmt: skip
+            k = torch.stack(
+                [apply_rope(k[:, :, i], -positions, freq[li]) for i, li in enumerate(cfg.source_layers)], dim=2
+            )
         resample = lambda x: torch.einsum("bts,bsw->btw", weights.float(), x.reshape(b, s, -1).float())
         k = resample(k).reshape(b, t, cfg.window, -1).to(self.dtype)  # [B, T, W, Ks * ds]
         v = resample(v).reshape(b, t, cfg.window, -1).to(self.dtype)
@@ -482,8 +484,9 @@ class KVTranslator(nn.Module):
         v = v.reshape(b, t, cfg.window, cfg.target_kv_heads, cfg.target_head_dim)
         if cfg.apply_rotary:  # rotate the translated keys at the target positions
             positions, freq = target_positions(mask), self.rope.target_inv_freq
-            k = torch.stack([apply_rope(k[:, :, i], positions, freq[li]) for i, li in enumerate(cfg.target_layers)],
-                            dim=2)  # fmt: skip
+            k = torch.stack(
+                [apply_rope(k[:, :, i], positions, freq[li]) for i, li in enumerate(cfg.target_layers)], dim=2
+            )
         return k.permute(2, 0, 3, 1, 4), v.permute(2, 0, 3, 1, 4)
 
     forward = translate_window

@@ -135,10 +135,16 @@ class LayerCache:
             stop = min(start + block, length)
             keys = stop if self.fresh else k_layer.shape[2]
             probs = attention_weights(
-                q[:, start:stop], k_layer[:, :, :keys], self.q_pos[:, start:stop], k_pos[:, :keys], k_valid[:, :keys],
-                scale=scale, window=window, softcap=softcap,
+                q[:, start:stop],
+                k_layer[:, :, :keys],
+                self.q_pos[:, start:stop],
+                k_pos[:, :keys],
+                k_valid[:, :keys],
+                scale=scale,
+                window=window,
+                softcap=softcap,
                 allowed=None if allowed is None else allowed[:, start:stop, :keys],
-            )  # fmt: skip
+            )
             if topk:  # the keys this layer attends to most, averaged over heads: [B, block, topk]
                 tops.append(jax.lax.top_k(probs.mean(axis=(1, 2)), topk)[1].astype(jnp.int32))
             outs.append(jnp.einsum("bkgts,bksd->btkgd", probs.astype(v_layer.dtype), v_layer[:, :, :keys]))
@@ -198,9 +204,16 @@ class CausalLM(nnx.Module):
         return hidden, cache
 
     def run_layers(
-        self, input_ids, attention_mask=None, positions=None, cache=None, injection=None, topk=0, fresh=False,
+        self,
+        input_ids,
+        attention_mask=None,
+        positions=None,
+        cache=None,
+        injection=None,
+        topk=0,
+        fresh=False,
         stop=None,
-    ):  # fmt: skip
+    ):
         """`hidden_states` with an optional `Injection`, and with `topk > 0` also each layer's top-k attended keys
         (head-averaged attention weights) as [L, B, T, topk] slot indices (else None). With `stop` only layers
         `0..stop-1` run (the cache's other layers stay as they were) and the hidden states are their output, the

@@ -36,10 +36,23 @@ FAMILY_BY_NAME = {module.__name__.rsplit(".", 1)[1]: (module, cls) for module, c
 IGNORED = (r"\.attn\.(bias|masked_bias)$", r"rotary_emb\.inv_freq$")
 # config.json integers that shape a model, in every family's naming (absent or null: the family's default)
 SHAPE_FIELDS = (
-    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-    "intermediate_size", "max_position_embeddings", "n_embd", "n_head", "n_layer", "n_inner", "n_positions",
-    "ffn_dim", "word_embed_proj_dim", "sliding_window_pattern",
-)  # fmt: skip
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "max_position_embeddings",
+    "n_embd",
+    "n_head",
+    "n_layer",
+    "n_inner",
+    "n_positions",
+    "ffn_dim",
+    "word_embed_proj_dim",
+    "sliding_window_pattern",
+)
 DTYPES = {"float32": jnp.float32, "fp32": jnp.float32, "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16}
 
 

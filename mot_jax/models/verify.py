@@ -52,8 +52,11 @@ def compare_with_transformers(model, torch_model, input_ids) -> Comparison:
     diff = lambda a, b: float(np.max(np.abs(np.asarray(a, np.float32) - b.float().numpy())))
     size = lambda b: float(b.float().abs().max())
     scale = {"logits": size(out.logits)}
-    scale |= {(name, i): size(getattr(layer, attr)) for i, layer in enumerate(theirs.layers) for name, attr in
-              (("K", "keys"), ("V", "values"))}  # fmt: skip
+    scale |= {
+        (name, i): size(getattr(layer, attr))
+        for i, layer in enumerate(theirs.layers)
+        for name, attr in (("K", "keys"), ("V", "values"))
+    }
     return Comparison(
         logits=diff(logits, out.logits),
         k=[diff(cache.k[i], layer.keys) for i, layer in enumerate(theirs.layers)],
@@ -72,8 +75,13 @@ def greedy_agreement(model, torch_model, input_ids, new_tokens):
     with torch.no_grad():
         ids = torch.tensor(np.asarray(input_ids))
         theirs = torch_model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-            do_sample=False, eos_token_id=None, pad_token_id=0,
-        )[0, ids.shape[1] :].numpy()  # fmt: skip
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0, ids.shape[1] :].numpy()
     differ = np.flatnonzero(ours != theirs)
     return int(differ[0]) if differ.size else new_tokens

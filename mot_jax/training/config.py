@@ -130,9 +130,16 @@ def parse_arg(arg: str | None, allowed=("tiny",)) -> str | None:
 
 # keys that count or divide: each must be a whole number of at least this
 COUNTS = dict(
-    steps=1, batch_size=1, grad_accum=1, log_every=1, eval_every=1, checkpoint_every=1, keep_checkpoints=1,
-    eval_batches=1, final_eval_batches=0,
-)  # fmt: skip
+    steps=1,
+    batch_size=1,
+    grad_accum=1,
+    log_every=1,
+    eval_every=1,
+    checkpoint_every=1,
+    keep_checkpoints=1,
+    eval_batches=1,
+    final_eval_batches=0,
+)
 
 
 def check(c: ml_collections.ConfigDict):

@@ -88,9 +88,16 @@ def context_correction(translator, source, target, batch, frozen, weights: LossW
     spec = translator.spec
     context_length, prompt_length = batch.context.shape[1], batch.prompt.shape[1]
     cache, aux = translate(
-        translator, source, target, source_cache, batch.alignment, batch.context, batch.context_mask,
-        source_topk, capacity=context_length + prompt_length,
-    )  # fmt: skip
+        translator,
+        source,
+        target,
+        source_cache,
+        batch.alignment,
+        batch.context,
+        batch.context_mask,
+        source_topk,
+        capacity=context_length + prompt_length,
+    )
     logits, _ = target(batch.prompt, cache=cache)
     ce = token_cross_entropy(logits, batch.labels, batch.label_mask)
     first = spec.native_bottom if spec.mode == "direct" else min(spec.target_layers)  # the layers it writes

@@ -107,8 +107,9 @@ class TranslationSpec:
         return dict(native_bottom=0, inputs=["source"]) | saved
 
     @classmethod
-    def build(cls, mode, channel_map, num_source_layers, num_target_layers, native_bottom=0, inputs=("source",),
-              **kwargs):  # fmt: skip
+    def build(
+        cls, mode, channel_map, num_source_layers, num_target_layers, native_bottom=0, inputs=("source",), **kwargs
+    ):
         if mode not in MODES:
             raise MotJaxError(f"Unknown translation mode {mode!r}; use one of {', '.join(MODES)}.")
         inputs = tuple(inputs)
@@ -122,8 +123,10 @@ class TranslationSpec:
                 "that range."
             )
         if "hidden" in inputs and not native_bottom:
-            raise MotJaxError("The 'hidden' input is the target's residual stream after its native bottom layers; "
-                              "set native_bottom > 0 or drop it.")  # fmt: skip
+            raise MotJaxError(
+                "The 'hidden' input is the target's residual stream after its native bottom layers; "
+                "set native_bottom > 0 or drop it."
+            )
         kwargs |= dict(native_bottom=int(native_bottom), inputs=inputs)
         if mode == "direct":
             layer_map = tuple(int(s) for s in channels.full_depth(num_source_layers, num_target_layers))
@@ -259,8 +262,9 @@ def window_inputs(spec: TranslationSpec, source: CausalLM, target: CausalLM, sou
     return jnp.concatenate(parts_k, -1), jnp.concatenate(parts_v, -1)
 
 
-def translate_window(translator: KVTranslator, source: CausalLM, target: CausalLM, source_cache, alignment, mask,
-                     features=None):  # fmt: skip
+def translate_window(
+    translator: KVTranslator, source: CausalLM, target: CausalLM, source_cache, alignment, mask, features=None
+):
     """The translated window K/V, each [W, B, Kt, T, dt], and the mixtures' aux outputs {"key": .., "value": ..}."""
     spec, t = translator.spec, target.config
     k, v, aux = translator(*window_inputs(spec, source, target, source_cache, alignment, features), mask)
@@ -274,8 +278,9 @@ def translate_window(translator: KVTranslator, source: CausalLM, target: CausalL
     return to_cache(k), to_cache(v), aux
 
 
-def linear_skip_sums(translator: KVTranslator, source: CausalLM, target: CausalLM, source_cache, alignment, native,
-                     mask, target_ids):  # fmt: skip
+def linear_skip_sums(
+    translator: KVTranslator, source: CausalLM, target: CausalLM, source_cache, alignment, native, mask, target_ids
+):
     """Sufficient statistics of one batch for `solve_linear_skip`, per "key" and "value": over the valid tokens except
     each row's first (whose K/V are the target's own), the count `n`, sums `x` [W, ds], `r` [W, dt], `rr` [W] and
     products `xx` [W, ds, ds], `xr` [W, ds, dt], where x are the translator's inputs (`window_inputs`) and r the
@@ -296,9 +301,13 @@ def linear_skip_sums(translator: KVTranslator, source: CausalLM, target: CausalL
         x = x.astype(jnp.float32)
         r = want.astype(jnp.float32) - getattr(translator, name)(x, mask)[0].astype(jnp.float32)
         sums[name] = dict(
-            n=weight.sum(), x=(x * w).sum((0, 1)), r=(r * w).sum((0, 1)), rr=(r * r * w).sum((0, 1, 3)),
-            xx=jnp.einsum("btwi,btwj->wij", x * w, x), xr=jnp.einsum("btwi,btwo->wio", x * w, r),
-        )  # fmt: skip
+            n=weight.sum(),
+            x=(x * w).sum((0, 1)),
+            r=(r * w).sum((0, 1)),
+            rr=(r * r * w).sum((0, 1, 3)),
+            xx=jnp.einsum("btwi,btwj->wij", x * w, x),
+            xr=jnp.einsum("btwi,btwo->wio", x * w, r),
+        )
     return sums
 
 
@@ -338,8 +347,9 @@ def sparse_indices(spec: TranslationSpec, source_topk, alignment, first):
     return jnp.concatenate([keys, first.astype(keys.dtype)], -1)
 
 
-def translate(translator, source, target, source_cache, alignment, target_ids, target_mask, source_topk=None,
-              capacity=None):  # fmt: skip
+def translate(
+    translator, source, target, source_cache, alignment, target_ids, target_mask, source_topk=None, capacity=None
+):
     """Jittable core: the target cache (capacity slots, default T) for the target context, and the aux outputs."""
     spec = translator.spec
     batch, length = target_ids.shape
@@ -382,11 +392,13 @@ def source_prefill(source, source_ids, source_mask, *, topk=0):
 
 
 @jit(static_argnames=("capacity",))
-def translate_jit(translator, source, target, source_cache, alignment, target_ids, target_mask, source_topk, *,
-                  capacity=None):  # fmt: skip
+def translate_jit(
+    translator, source, target, source_cache, alignment, target_ids, target_mask, source_topk, *, capacity=None
+):
     """`translate`, jitted: (the target cache, the aux outputs)."""
-    return translate(translator, source, target, source_cache, alignment, target_ids, target_mask, source_topk,
-                     capacity)  # fmt: skip
+    return translate(
+        translator, source, target, source_cache, alignment, target_ids, target_mask, source_topk, capacity
+    )
 
 
 def runs_source(spec: TranslationSpec) -> bool:
@@ -467,7 +479,14 @@ class CacheTranslator:
                 "contexts were given; pass one target context per source sequence."
             )
         cache, _ = translate_jit(
-            self.translator, self.source, self.target, source_cache, alignment, jnp.asarray(target_ids),
-            jnp.asarray(target_mask), source_topk, capacity=capacity,
-        )  # fmt: skip
+            self.translator,
+            self.source,
+            self.target,
+            source_cache,
+            alignment,
+            jnp.asarray(target_ids),
+            jnp.asarray(target_mask),
+            source_topk,
+            capacity=capacity,
+        )
         return cache
