@@ -46,9 +46,15 @@ def test_kl_is_the_distance_to_the_native_next_token_distributions(random_pair):
 
     context_length = batch.context.shape[1]
     cache, _ = translate(
-        translator, source, target, frozen[0], batch.alignment, batch.context, batch.context_mask,
+        translator,
+        source,
+        target,
+        frozen[0],
+        batch.alignment,
+        batch.context,
+        batch.context_mask,
         capacity=context_length + batch.prompt.shape[1],
-    )  # fmt: skip
+    )
     translated, _ = target(batch.prompt, cache=cache)
     native = target(jnp.asarray(np.concatenate([batch.context, batch.prompt], 1)))[0][:, context_length:]
     log_p, log_q = (

@@ -141,33 +141,67 @@ BODY = ["a bone", "a muscle", "a nerve", "a gland"]
 SKY = ["planet", "star", "moon", "comet"]
 EXPECTED = {
     "squad": [  # the unanswerable row is skipped
-        dict(id="56be4db0acb8001400a502ec", context=SUPER_BOWL, question="Which team won Super Bowl 50?",
-             answers=["Denver Broncos", "Denver Broncos", "Broncos"]),
-        dict(id="56be4db0acb8001400a502ed", context=SUPER_BOWL, question="What was the final score?",
-             answers=["24-10"]),
+        dict(
+            id="56be4db0acb8001400a502ec",
+            context=SUPER_BOWL,
+            question="Which team won Super Bowl 50?",
+            answers=["Denver Broncos", "Denver Broncos", "Broncos"],
+        ),
+        dict(
+            id="56be4db0acb8001400a502ed", context=SUPER_BOWL, question="What was the final score?", answers=["24-10"]
+        ),
     ],
     "newsqa": [  # each question its own example; a question without an answer is skipped
-        dict(id="newsqa-0-0", context=EXTRACTIVE_CONTEXT, question="How many loaves were sold?",
-             answers=["300", "300 loaves"]),
+        dict(
+            id="newsqa-0-0",
+            context=EXTRACTIVE_CONTEXT,
+            question="How many loaves were sold?",
+            answers=["300", "300 loaves"],
+        ),
         dict(id="newsqa-0-1", context=EXTRACTIVE_CONTEXT, question="Who praised the bakery?", answers=["The mayor"]),
         dict(id="newsqa-0-2", context=EXTRACTIVE_CONTEXT, question="When?", answers=["on Sunday"]),
-        dict(id="newsqa-1-1", context="A storm closed the port of Genoa for two days.", question="Which city?",
-             answers=["Genoa"]),
+        dict(
+            id="newsqa-1-1",
+            context="A storm closed the port of Genoa for two days.",
+            question="Which city?",
+            answers=["Genoa"],
+        ),
     ],
     "boolq": [
-        dict(id="boolq-0", context="On a clear day the sky looks blue because air scatters blue light.",
-             question="is the sky blue on a clear day", choices=["yes", "no"], answer="yes",
-             instruction="Answer yes or no."),
-        dict(id="boolq-1", context="Penguins live almost only in the Southern Hemisphere.",
-             question="do penguins live at the north pole", choices=["yes", "no"], answer="no",
-             instruction="Answer yes or no."),
+        dict(
+            id="boolq-0",
+            context="On a clear day the sky looks blue because air scatters blue light.",
+            question="is the sky blue on a clear day",
+            choices=["yes", "no"],
+            answer="yes",
+            instruction="Answer yes or no.",
+        ),
+        dict(
+            id="boolq-1",
+            context="Penguins live almost only in the Southern Hemisphere.",
+            question="do penguins live at the north pole",
+            choices=["yes", "no"],
+            answer="no",
+            instruction="Answer yes or no.",
+        ),
     ],
     "pubmedqa": [
-        dict(id="21645374", context="Programmed cell death occurs in lace plants.\nMitochondria moved during PCD.",
-             question="Do mitochondria play a role in remodelling lace plant leaves?",
-             choices=["yes", "no", "maybe"], answer="yes", instruction="Answer yes, no, or maybe."),
-        dict(id="16418930", context="We studied 40 patients.", question="Is the score useful?",
-             choices=["yes", "no", "maybe"], answer="maybe", instruction="Answer yes, no, or maybe."),
+        dict(
+            id="21645374",
+            context="Programmed cell death occurs in lace plants.\nMitochondria moved during PCD.",
+            question="Do mitochondria play a role in remodelling lace plant leaves?",
+            choices=["yes", "no", "maybe"],
+            answer="yes",
+            instruction="Answer yes, no, or maybe.",
+        ),
+        dict(
+            id="16418930",
+            context="We studied 40 patients.",
+            question="Is the score useful?",
+            choices=["yes", "no", "maybe"],
+            answer="maybe",
+            instruction="Answer yes, no, or maybe.",
+        ),
     ],
     "mmlu_redux": [  # subjects interleaved; expert and unparseable corrections dropped
         dict(id="anatomy-0", context="Subject: anatomy", question="The femur is", choices=BODY, answer="a bone"),
@@ -175,22 +209,39 @@ EXPECTED = {
         dict(id="anatomy-2", context="Subject: anatomy", question="The biceps is", choices=BODY, answer="a muscle"),
         dict(id="astronomy-1", context="Subject: astronomy", question="Mars is a", choices=SKY, answer="planet"),
         dict(id="anatomy-3", context="Subject: anatomy", question="The vagus is", choices=BODY, answer="a nerve"),
-        dict(id="anatomy-4", context="Subject: anatomy", question="Which are tissues?", choices=BODY,
-             answer="a muscle", answers=["a muscle", "a bone", "a nerve"]),
+        dict(
+            id="anatomy-4",
+            context="Subject: anatomy",
+            question="Which are tissues?",
+            choices=BODY,
+            answer="a muscle",
+            answers=["a muscle", "a bone", "a nerve"],
+        ),
     ],
     "hotpotqa": [
-        dict(id="5a8b57f25542995d1e6f1371",
-             context="Title: Ed Wood\nEdward Davis Wood Jr. was an American filmmaker. He made cult films.\n\n"
-             "Title: Scott Derrickson\nScott Derrickson is an American director.",
-             question="Were Scott Derrickson and Ed Wood of the same nationality?", answers=["yes"]),
+        dict(
+            id="5a8b57f25542995d1e6f1371",
+            context="Title: Ed Wood\nEdward Davis Wood Jr. was an American filmmaker. He made cult films.\n\n"
+            "Title: Scott Derrickson\nScott Derrickson is an American director.",
+            question="Were Scott Derrickson and Ed Wood of the same nationality?",
+            answers=["yes"],
+        ),
     ],
     "hotpotqa_e": [
-        dict(id="0f3a", context="Passage 1:\nThe Louvre\nThe Louvre is in Paris.",
-             question="Which city hosts the museum?", answers=["Paris"]),
-        dict(id="77b1", context="Passage 1:\nHamlet\nHamlet was written by Shakespeare.", question="Who wrote it?",
-             answers=["William Shakespeare", "Shakespeare"]),
+        dict(
+            id="0f3a",
+            context="Passage 1:\nThe Louvre\nThe Louvre is in Paris.",
+            question="Which city hosts the museum?",
+            answers=["Paris"],
+        ),
+        dict(
+            id="77b1",
+            context="Passage 1:\nHamlet\nHamlet was written by Shakespeare.",
+            question="Who wrote it?",
+            answers=["William Shakespeare", "Shakespeare"],
+        ),
     ],
-}  # fmt: skip
+}
 FILES = {"newsqa": "newsqa.json", "mmlu_redux": "mmlu_redux"}
 
 

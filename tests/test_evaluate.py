@@ -100,8 +100,9 @@ def test_direct_identity_translation_reproduces_native_scores_exactly():
     pair = tiny_pair("gemma3", "gemma3")
     layers = pair.target.config.num_layers
     spec = TranslationSpec.build("direct", None, layers, layers)
-    translator = KVTranslator(spec, mixture_config(spec, pair.source, pair.target, dim=8, heads=1, depth=1),
-                              rngs=nnx.Rngs(0))  # fmt: skip
+    translator = KVTranslator(
+        spec, mixture_config(spec, pair.source, pair.target, dim=8, heads=1, depth=1), rngs=nnx.Rngs(0)
+    )
     translator.key, translator.value = Same(), Same()
     methods = [Native(), Translated("identity", translator, "-", 0)]
     for task in ("extractive_qa", "closed_qa"):
@@ -131,8 +132,19 @@ def trained_workdir(tiny_run):
 
 def small_config(**overrides):
     config = defaults()
-    config.update(dict(examples=2, batch_size=2, max_new_tokens=4, relay_tokens=4, budgets="48,96", agents=2,
-                       ttft_lengths="32,64", ttft_runs=1) | overrides)  # fmt: skip
+    config.update(
+        dict(
+            examples=2,
+            batch_size=2,
+            max_new_tokens=4,
+            relay_tokens=4,
+            budgets="48,96",
+            agents=2,
+            ttft_lengths="32,64",
+            ttft_runs=1,
+        )
+        | overrides
+    )
     return config
 
 

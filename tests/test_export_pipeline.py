@@ -85,9 +85,13 @@ def test_transformers_generation_from_the_exported_translation_equals_mot_jax(mo
         np.testing.assert_allclose(hf_layer.values.numpy(), np.asarray(jax_cache.v[layer, :, :, kept]), atol=1e-4)
     full = torch.as_tensor(np.concatenate([ids, suffix], 1), dtype=torch.long)
     out = target_hf.generate(
-        input_ids=full, attention_mask=torch.ones_like(full), cache=cache, max_new_tokens=NEW_TOKENS,
-        do_sample=False, pad_token_id=0,
-    )  # fmt: skip
+        input_ids=full,
+        attention_mask=torch.ones_like(full),
+        cache=cache,
+        max_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        pad_token_id=0,
+    )
     got = out[0, full.shape[1] :].tolist()
     assert got == expected[: len(got)] and (len(got) == NEW_TOKENS or got[-1] == 2), (got, expected)  # 2: EOS
 
@@ -158,8 +162,9 @@ def test_offline_real_pair_in_transformers_equals_mot_jax(tmp_path):
     pipe = CachePipeline.from_export(weights.export(translator, source, target, tmp_path / "exported", extra))
     cache = pipe.from_target_ids(ids, np.ones(ids.shape, bool))
     full = torch.as_tensor(np.concatenate([ids, suffix], 1), dtype=torch.long)
-    out = pipe.target.generate(full, attention_mask=torch.ones_like(full), cache=cache, max_new_tokens=NEW_TOKENS,
-                               do_sample=False)  # fmt: skip
+    out = pipe.target.generate(
+        full, attention_mask=torch.ones_like(full), cache=cache, max_new_tokens=NEW_TOKENS, do_sample=False
+    )
     got = out[0, full.shape[1] :].tolist()
     assert got == expected[: len(got)] and len(got) >= NEW_TOKENS // 2, (got, expected)
 
@@ -185,9 +190,13 @@ def test_every_row_of_a_mixed_length_batch_generates_as_it_does_alone(models, mo
         asked = question.expand(len(texts), -1)
         full = torch.cat([ids, asked], 1)
         out = target_hf.generate(
-            input_ids=full, attention_mask=torch.cat([mask, torch.ones_like(asked)], 1),
-            cache=cache, max_new_tokens=8, do_sample=False, pad_token_id=0,
-        )  # fmt: skip
+            input_ids=full,
+            attention_mask=torch.cat([mask, torch.ones_like(asked)], 1),
+            cache=cache,
+            max_new_tokens=8,
+            do_sample=False,
+            pad_token_id=0,
+        )
         return out[:, full.shape[1] :].tolist()
 
     texts = [SHORT, TEXT]

@@ -60,8 +60,9 @@ def perturb(translator, seed, scale=0.05):
 
 def make(source, target, mode="replay", rotary=False, seed=0, **cfg):
     s, t = source.config, target.config
-    spec = TranslationSpec.build(mode, channels.terminal(s.num_layers, t.num_layers, 0.5), s.num_layers, t.num_layers,
-                                 rotary=rotary)  # fmt: skip
+    spec = TranslationSpec.build(
+        mode, channels.terminal(s.num_layers, t.num_layers, 0.5), s.num_layers, t.num_layers, rotary=rotary
+    )
     cfg = dict(dict(dim=32, heads=4, depth=2, mlp_ratio=2, dispatch="dense", capacity_factor=8.0), **cfg)
     if rotary:
         cfg["output_activation"] = "none"
@@ -94,8 +95,17 @@ MIXTURES = {  # name: (num_experts, top_k, fused_output, causal, output_activati
 def test_mixtures_and_routers_match(case, models, tmp_path):
     experts, k, fused, causal, act, dispatch = MIXTURES[case]
     source, target = models["llama"][0], models["gemma3"][0]
-    jt = make(source, target, num_experts=experts, top_k=k, fused_output=fused, causal=causal,
-              output_activation=act, dispatch=dispatch, seed=len(case))  # fmt: skip
+    jt = make(
+        source,
+        target,
+        num_experts=experts,
+        top_k=k,
+        fused_output=fused,
+        causal=causal,
+        output_activation=act,
+        dispatch=dispatch,
+        seed=len(case),
+    )
     tt = roundtrip(jt, source, target, tmp_path)
     cfg = jt.cfg
     x = 1.5 * jax.random.normal(jax.random.key(7), (3, 11, cfg.window, cfg.source_width))
@@ -170,8 +180,20 @@ def test_translate_window_matches(case, models, contexts, tmp_path):
     src, tgt, mode, rotary, experts, k, fused, causal, act, dispatch = WINDOWS[case]
     source, target = models[src][0], models[tgt][0]
     cache, alignment, mask = contexts[src, tgt]
-    jt = make(source, target, mode, rotary, num_experts=experts, top_k=k, fused_output=fused, causal=causal,
-              output_activation=act, dispatch=dispatch, linear_skip=mode == "direct", seed=len(case))  # fmt: skip
+    jt = make(
+        source,
+        target,
+        mode,
+        rotary,
+        num_experts=experts,
+        top_k=k,
+        fused_output=fused,
+        causal=causal,
+        output_activation=act,
+        dispatch=dispatch,
+        linear_skip=mode == "direct",
+        seed=len(case),
+    )
     k_jax, v_jax, _ = window_jax(jt, source, target, cache, alignment, jnp.asarray(mask))
     tt = roundtrip(jt, source, target, tmp_path)
     assert tt.config.apply_rotary == rotary
@@ -179,8 +201,9 @@ def test_translate_window_matches(case, models, contexts, tmp_path):
     stacked_v = torch.tensor(np.asarray(cache.v))
     weights, positions = np.array(alignment.weights), torch.tensor(np.asarray(cache.positions))
     with torch.no_grad():
-        k_t, v_t = tt.translate_window(per_layer, stacked_v, torch.from_numpy(weights), torch.from_numpy(mask),
-                                       source_positions=positions)  # fmt: skip
+        k_t, v_t = tt.translate_window(
+            per_layer, stacked_v, torch.from_numpy(weights), torch.from_numpy(mask), source_positions=positions
+        )
         k_default, _ = tt.translate_window(per_layer, stacked_v, weights, mask)  # right-padded source: 0..S-1
     assert tuple(k_t.shape) == k_jax.shape == (len(jt.spec.target_layers), *k_jax.shape[1:])
     assert k_jax.shape[2:] == (target.config.num_kv_heads, mask.shape[1], target.config.head_dim)
@@ -202,9 +225,13 @@ def test_projector_window_matches(src, tgt, mode, rotary, act, models, contexts,
     tt = roundtrip(jt, source, target, tmp_path)
     assert isinstance(tt.key, torch_translator.Projector) and tt.config.kind == "projector"
     with torch.no_grad():
-        k_t, v_t = tt.translate_window(torch.tensor(np.asarray(cache.k)), torch.tensor(np.asarray(cache.v)),
-                                       np.array(alignment.weights), mask,
-                                       source_positions=torch.tensor(np.asarray(cache.positions)))  # fmt: skip
+        k_t, v_t = tt.translate_window(
+            torch.tensor(np.asarray(cache.k)),
+            torch.tensor(np.asarray(cache.v)),
+            np.array(alignment.weights),
+            mask,
+            source_positions=torch.tensor(np.asarray(cache.positions)),
+        )
     diffs = {"k": max_diff(k_jax, k_t), "v": max_diff(v_jax, v_t)}
     print(f"\n[projector-{mode}] max |jax - torch|: " + ", ".join(f"{k} {v:.2e}" for k, v in diffs.items()))
     assert max(diffs.values()) < ATOL, diffs

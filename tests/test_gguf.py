@@ -17,19 +17,33 @@ from mot_jax.models.loading import load_model
 
 TINY = {
     "llama": lambda: transformers.LlamaConfig(
-        num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
-        rope_theta=1e5, rms_norm_eps=1e-5, tie_word_embeddings=False, vocab_size=97,
+        num_hidden_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        rope_theta=1e5,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        vocab_size=97,
     ),
     # 7 layers: sliding pattern 6 (layer 5 global), window 4 shorter than the 12-token batch
     "gemma3": lambda: transformers.Gemma3TextConfig(
-        num_hidden_layers=7, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        intermediate_size=64, sliding_window=4, query_pre_attn_scalar=16, vocab_size=97,
+        num_hidden_layers=7,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=64,
+        sliding_window=4,
+        query_pre_attn_scalar=16,
+        vocab_size=97,
         rope_parameters=dict(
             full_attention=dict(rope_type="default", rope_theta=1e6),
             sliding_attention=dict(rope_type="default", rope_theta=1e4),
         ),
     ),
-}  # fmt: skip
+}
 
 
 def write_gguf(path, model, arch):

@@ -10,8 +10,12 @@ from mot_jax.models.base import Injection
 from mot_jax.models.layers import attention
 from mot_jax.models.loading import load_model
 
-FAMILIES = [("gpt2", "inverse_layer_scale"), ("opt", "post_ln_projected"), ("qwen2", "untied_sliding"),
-            ("gemma3", "sliding_softcap")]  # fmt: skip
+FAMILIES = [
+    ("gpt2", "inverse_layer_scale"),
+    ("opt", "post_ln_projected"),
+    ("qwen2", "untied_sliding"),
+    ("gemma3", "sliding_softcap"),
+]
 
 
 @pytest.fixture(scope="module", params=FAMILIES, ids=[f for f, _ in FAMILIES])
@@ -72,9 +76,11 @@ def test_top_k_attention_indices_match_transformers_attentions(pair):
     _, _, _, topk = native(model)
     with torch.no_grad():
         out = reference(
-            input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
-            position_ids=torch.tensor(positions_for(mask)), output_attentions=True,
-        )  # fmt: skip
+            input_ids=torch.tensor(ids),
+            attention_mask=torch.tensor(mask),
+            position_ids=torch.tensor(positions_for(mask)),
+            output_attentions=True,
+        )
     for layer, probs in enumerate(out.attentions):
         averaged = probs.mean(dim=1).numpy()  # [B, T, S]
         for b, t in zip(*np.nonzero(mask)):

@@ -26,9 +26,7 @@ def test_script_passes_bash_n_and_shellcheck(script):
 
 
 def dry_run(*args, **env) -> list[str]:
-    result = subprocess.run(
-        ["bash", *args], cwd=ROOT, env=os.environ | env, capture_output=True, text=True, timeout=60
-    )  # fmt: skip
+    result = subprocess.run(["bash", *args], cwd=ROOT, env=os.environ | env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     return result.stdout.splitlines()
 
@@ -71,8 +69,13 @@ def test_tpu_vm_dry_run_creates_sets_up_trains_on_every_host_and_deletes():
 
 
 def test_tpu_vm_without_project_or_command_says_what_is_missing():
-    result = subprocess.run(["bash", "launch/tpu_vm.sh", "--dry-run", "train"], cwd=ROOT, capture_output=True,
-                            text=True, env={k: v for k, v in os.environ.items() if k != "PROJECT"})  # fmt: skip
+    result = subprocess.run(
+        ["bash", "launch/tpu_vm.sh", "--dry-run", "train"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={k: v for k, v in os.environ.items() if k != "PROJECT"},
+    )
     assert result.returncode == 2 and "set PROJECT" in result.stderr
 
 

@@ -61,10 +61,12 @@ def test_least_squares_skip_minimises_the_translated_kv_error(pair, mode, rotary
     solve reports."""
     source, target, batch = pair
     ls, lt = source.config.num_layers, target.config.num_layers
-    spec = TranslationSpec.build(mode, channels.terminal(ls, lt, 0.5), ls, lt, rotary=rotary, sparse_attention=False,
-                                 **dial)  # fmt: skip
-    cfg = mixture_config(spec, source, target, dim=16, heads=2, depth=1, num_experts=2, output_activation="none",
-                         linear_skip=True)  # fmt: skip
+    spec = TranslationSpec.build(
+        mode, channels.terminal(ls, lt, 0.5), ls, lt, rotary=rotary, sparse_attention=False, **dial
+    )
+    cfg = mixture_config(
+        spec, source, target, dim=16, heads=2, depth=1, num_experts=2, output_activation="none", linear_skip=True
+    )
     translator = KVTranslator(spec, cfg, rngs=nnx.Rngs(0))
     graphdef, initial = nnx.split(translator, nnx.Param)
     frozen = frozen_forwards(source, target, batch, topk=0)

@@ -148,8 +148,16 @@ def test_the_source_free_method_runs_no_source_and_hands_nothing_over():
         pair.target_tokenizer, pair.source_tokenizer, contexts.ids, contexts.mask
     )
     source_cache, _ = source_prefill(pair.source, jnp.asarray(source_ids), jnp.asarray(source_mask))
-    want, _ = translate(translator, pair.source, pair.target, source_cache, alignment, jnp.asarray(contexts.ids),
-                        jnp.asarray(contexts.mask), capacity=contexts.length)  # fmt: skip
+    want, _ = translate(
+        translator,
+        pair.source,
+        pair.target,
+        source_cache,
+        alignment,
+        jnp.asarray(contexts.ids),
+        jnp.asarray(contexts.mask),
+        capacity=contexts.length,
+    )
     np.testing.assert_allclose(np.asarray(cache.k), np.asarray(want.k), atol=1e-6, rtol=0)
 
 
@@ -176,8 +184,14 @@ def test_a_linear_translator_is_its_skip_alone(hf_pair, batch):
         skip.kernel.set_value(jax.random.normal(jax.random.key(0), skip.kernel.shape))
     got = run(linear, source, target, ids, mask)
     features = run_native_bottom(linear.spec, target, ids, mask, target.init_cache(*ids.shape))[1]
-    x = window_inputs(linear.spec, source, target, source_prefill(source, ids, mask)[0],
-                      identity_alignment(*ids.shape, np.asarray(mask)), features)[0]  # fmt: skip
+    x = window_inputs(
+        linear.spec,
+        source,
+        target,
+        source_prefill(source, ids, mask)[0],
+        identity_alignment(*ids.shape, np.asarray(mask)),
+        features,
+    )[0]
     want = linear.key_skip(x).reshape(*x.shape[:3], target.config.num_kv_heads, target.config.head_dim)
     rows = np.asarray(mask).copy()
     rows[np.arange(len(rows)), np.argmax(rows, 1)] = False  # each row's first token is the target's own

@@ -65,8 +65,12 @@ def test_an_output_folder_replaces_only_what_this_project_wrote(tmp_path, umask_
     model.mkdir()
     (model / "config.json").write_text("{}")
     (tmp_path / "file").write_text("data")
-    for target, reason in [(out, "did not write there (notes.txt)"), (workdir, "is a training workdir"),
-                           (model, "is a training workdir"), (tmp_path / "file", "is a file")]:  # fmt: skip
+    for target, reason in [
+        (out, "did not write there (notes.txt)"),
+        (workdir, "is a training workdir"),
+        (model, "is a training workdir"),
+        (tmp_path / "file", "is a file"),
+    ]:
         before = tree(tmp_path)
         with pytest.raises(MotJaxError, match=f"{re.escape(reason)}.*{REFUSED}"):
             write(target)
@@ -92,8 +96,16 @@ def translator():
     """A tiny translator and the two models' configs (export needs no weights of theirs)."""
     source, target = tiny_config("random:llama"), tiny_config("random:gemma3")
     spec = TranslationSpec.build("replay", channels.terminal(4, 4, 0.5), 4, 4, k_attn=4, dense_bottom=1)
-    cfg = mixture_config(spec, SimpleNamespace(config=source), SimpleNamespace(config=target), dim=8, heads=1,
-                         depth=1, num_experts=2, dispatch="dense")  # fmt: skip
+    cfg = mixture_config(
+        spec,
+        SimpleNamespace(config=source),
+        SimpleNamespace(config=target),
+        dim=8,
+        heads=1,
+        depth=1,
+        num_experts=2,
+        dispatch="dense",
+    )
     return KVTranslator(spec, cfg, rngs=nnx.Rngs(0)), source, target
 
 
@@ -124,17 +136,39 @@ def results(lengths=(64,), f1=0.0):
 
     def scores():
         prediction = dict(question="Who?", gold=["Ada"], generation="Bo", answer="Bo")
-        return dict(f1=f1, exact_match=0.0, retention=None, handed_bytes=10.0, examples_per_s=1.0,
-                    predictions=[prediction])  # fmt: skip
+        return dict(
+            f1=f1, exact_match=0.0, retention=None, handed_bytes=10.0, examples_per_s=1.0, predictions=[prediction]
+        )
 
-    latency = [dict(method=m, context_tokens=n, ttft_s=0.01, ttft_with_source_s=0.01 + 0.01 * (m != "native"),
-                    stages={}, handed_bytes=8, target_kv_bytes=64, planned_bytes=None)
-               for n in lengths for m in names]  # fmt: skip
-    meta = dict(methods={"MoT replay": dict(step=1, workdir="run")}, source="s", target="t", dtype="float32",
-                data="synthetic", config=dict(max_new_tokens=4), machine="cpu", seconds=1.0)  # fmt: skip
+    latency = [
+        dict(
+            method=m,
+            context_tokens=n,
+            ttft_s=0.01,
+            ttft_with_source_s=0.01 + 0.01 * (m != "native"),
+            stages={},
+            handed_bytes=8,
+            target_kv_bytes=64,
+            planned_bytes=None,
+        )
+        for n in lengths
+        for m in names
+    ]
+    meta = dict(
+        methods={"MoT replay": dict(step=1, workdir="run")},
+        source="s",
+        target="t",
+        dtype="float32",
+        data="synthetic",
+        config=dict(max_new_tokens=4),
+        machine="cpu",
+        seconds=1.0,
+    )
     budgets = {b: {m: scores() for m in names} for b in ("48", "96")}
-    tasks = dict(extractive_qa=dict(examples=1, methods={m: scores() for m in names}),
-                 long_context=dict(examples=1, budgets=budgets))  # fmt: skip
+    tasks = dict(
+        extractive_qa=dict(examples=1, methods={m: scores() for m in names}),
+        long_context=dict(examples=1, budgets=budgets),
+    )
     return dict(tasks=tasks, routing={}, latency=latency, meta=meta)
 
 

@@ -39,8 +39,10 @@ def test_closed_set_labels_are_right_and_positions_unbiased():
 
 def test_yes_no_claims_match_the_context():
     """A yes/no question names one of the passage's stated values exactly when its answer is "yes"."""
-    facts = re.compile(r"born in (\w+) in (\d+)\. \w+ works as an? [\w ]+ for (the \w+ Guild) and keeps an? \w+ "
-                       r"named (\w+)\. The door of \w+'s house is painted (\w+)\.")  # fmt: skip
+    facts = re.compile(
+        r"born in (\w+) in (\d+)\. \w+ works as an? [\w ]+ for (the \w+ Guild) and keeps an? \w+ "
+        r"named (\w+)\. The door of \w+'s house is painted (\w+)\."
+    )
     for e in examples("closed_qa", 300, seed=1, distractors=0):
         if e["choices"] != ["yes", "no"]:
             continue

@@ -160,12 +160,21 @@ def test_ctrl_c_stops_in_one_line_and_exits(tmp_path):
         "loop.Trainer.train_step = interrupting\n"
         "from mot_jax import train; train.run()"
     )
-    command = [sys.executable, "-c", script, *TINY, f"--workdir={tmp_path}", "--config.steps=6",
-               "--config.checkpoint_every=2", "--config.translator.channels.mode=terminal"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-c",
+        script,
+        *TINY,
+        f"--workdir={tmp_path}",
+        "--config.steps=6",
+        "--config.checkpoint_every=2",
+        "--config.translator.channels.mode=terminal",
+    ]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 128 + signal.SIGINT, result.stderr[-2000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert errors == [f"error: interrupted after step 2; the last checkpoint is step 2 in {tmp_path}; run the same "
-                      "command to resume."], result.stderr[-2000:]  # fmt: skip
+    assert errors == [
+        f"error: interrupted after step 2; the last checkpoint is step 2 in {tmp_path}; run the same command to resume."
+    ], result.stderr[-2000:]
     assert "Traceback" not in result.stderr and "cannot schedule" not in result.stderr
     assert np.isfinite(Checkpoints(as_path(tmp_path), 3).read_meta(2)["best_validation_loss"])

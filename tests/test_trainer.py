@@ -84,8 +84,10 @@ def test_linear_skip_fit_is_the_same_on_a_sharded_mesh():
         c = tiny_config(mode="direct", rotary=True, output_activation="none", linear_skip=True)
         c.batch_size, c.mesh.data, c.mesh.expert = 4, data, expert
         trainer, pair = trainer_for(c, make_mesh(c), steps=1)
-        batches = [tiny_batch(pair.source_tokenizer, pair.target_tokenizer, batch=4, context=20, offset=4 * i)
-                   for i in range(3)]  # fmt: skip
+        batches = [
+            tiny_batch(pair.source_tokenizer, pair.target_tokenizer, batch=4, context=20, offset=4 * i)
+            for i in range(3)
+        ]
         errors = trainer.fit_linear_skip(batches)
         for before, after in errors.values():
             assert after < 0.9 * before, errors

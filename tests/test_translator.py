@@ -39,8 +39,9 @@ def batch(vocab, length=10):
 
 def make_translator(source, target, mode="replay", channel_map=None, rotary=False, **spec):
     channel_map = channel_map or channels.terminal(source.config.num_layers, target.config.num_layers, 0.67)
-    spec = TranslationSpec.build(mode, channel_map, source.config.num_layers, target.config.num_layers, rotary=rotary,
-                                 **spec)  # fmt: skip
+    spec = TranslationSpec.build(
+        mode, channel_map, source.config.num_layers, target.config.num_layers, rotary=rotary, **spec
+    )
     act = "none" if rotary else "gelu"
     return KVTranslator(spec, mixture_config(spec, source, target, output_activation=act, **SMALL), rngs=nnx.Rngs(0))
 
@@ -121,8 +122,9 @@ def test_unrotated_window_is_position_free(hf_pair):
     # rotating back by the positions gives the cached (post-RoPE) keys again
     heads = unrotated.reshape(*unrotated.shape[:3], source.config.num_kv_heads, -1)
     again = jnp.stack([apply_rope(heads[:, :, i], cache.positions, freq[li]) for i, li in enumerate(layers)], 2)
-    np.testing.assert_allclose(np.asarray(again.reshape(unrotated.shape)), np.asarray(window_block(cache.k, layers)),
-                               atol=1e-5)  # fmt: skip
+    np.testing.assert_allclose(
+        np.asarray(again.reshape(unrotated.shape)), np.asarray(window_block(cache.k, layers)), atol=1e-5
+    )
 
 
 def test_rotary_translation_runs_and_needs_linear_output(hf_pair):
@@ -188,6 +190,8 @@ def test_cache_translator_on_the_offline_pair(real_pair, mode):
         valid = np.asarray(mask)
         exact = min(translator.spec.dense_bottom, min(translator.spec.target_layers))
         below = np.asarray(cache.k[:exact])[:, :, :, : ids.shape[1]]
-        np.testing.assert_allclose(below.transpose(1, 3, 0, 2, 4)[valid],
-                                   np.asarray(native.k[: below.shape[0]]).transpose(1, 3, 0, 2, 4)[valid],
-                                   atol=2e-4)  # fmt: skip
+        np.testing.assert_allclose(
+            below.transpose(1, 3, 0, 2, 4)[valid],
+            np.asarray(native.k[: below.shape[0]]).transpose(1, 3, 0, 2, 4)[valid],
+            atol=2e-4,
+        )
