@@ -9,7 +9,7 @@ import statistics
 from mot_jax.evals import synthetic
 from mot_jax.evals.methods import Native, ShuffledSource, Stopwatch, Translated, held_bytes
 from mot_jax.evals.prompts import Settings, batches, capacity_for
-from mot_jax.models.base import generate_from_cache, prefill
+from mot_jax.models.base import generate_from_cache_jit, prefill
 from mot_jax.translate.translator import read_source, source_prefill, translate_jit
 
 SUFFIX_ROOM = 64  # target positions a TTFT length leaves for the question suffix (besides the answer's)
@@ -40,7 +40,7 @@ def timed(models, method, contexts, suffix_ids, suffix_mask, settings: Settings,
     for _ in range(runs + 1):
         watch = Stopwatch()
         cache, _ = method.build(models, contexts, capacity, watch)
-        watch.lap("answer", generate_from_cache(models.target, cache, suffix_ids, suffix_mask, max_new_tokens=1))
+        watch.lap("answer", generate_from_cache_jit(models.target, cache, suffix_ids, suffix_mask, max_new_tokens=1))
         samples.append(watch.stages)
     return {stage: statistics.median(s[stage] for s in samples[1:]) for stage in samples[0]}
 
@@ -74,7 +74,7 @@ def planned_bytes(models, method, contexts, suffix_ids, suffix_mask, settings: S
     else:
         return None
     cache, _ = method.build(models, contexts, capacity, Stopwatch())
-    programs.append(generate_from_cache.lower(models.target, cache, suffix_ids, suffix_mask, max_new_tokens=1))
+    programs.append(generate_from_cache_jit.lower(models.target, cache, suffix_ids, suffix_mask, max_new_tokens=1))
     plans = [p.compile().memory_analysis() for p in programs]
     return max(
         m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes for m in plans

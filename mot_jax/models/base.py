@@ -333,11 +333,14 @@ def generate_from_cache(model, cache, input_ids, attention_mask=None, *, max_new
                 f"The cache has {cache.capacity} slots but its context, the {input_ids.shape[1]} input tokens and "
                 f"{max_new_tokens} new tokens need {needed}; build it with capacity >= {needed}."
             )
-    return _generate_from_cache(model, cache, input_ids, attention_mask, max_new_tokens=max_new_tokens, eos_ids=eos_ids)
+    return generate_from_cache_jit(
+        model, cache, input_ids, attention_mask, max_new_tokens=max_new_tokens, eos_ids=eos_ids
+    )
 
 
 @jit(static_argnames=("max_new_tokens", "eos_ids"))
-def _generate_from_cache(model, cache, input_ids, attention_mask, *, max_new_tokens, eos_ids):
+def generate_from_cache_jit(model, cache, input_ids, attention_mask=None, *, max_new_tokens, eos_ids=None):
+    """`generate_from_cache` as one program, without its room check (for timing and lowering)."""
     mask = jnp.ones(input_ids.shape, bool) if attention_mask is None else attention_mask
     hidden, cache = model.hidden_states(input_ids, mask, cache=cache)
     logits = model.unembed(hidden[jnp.arange(hidden.shape[0]), last_valid_index(mask)])
