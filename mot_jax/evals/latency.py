@@ -56,19 +56,7 @@ def planned_bytes(models, method, contexts, suffix_ids, suffix_mask, settings: S
         read = read_source(spec, models.source, *tokenizers, contexts.ids, contexts.mask)
         if read.cache is not None:
             programs.append(source_prefill.lower(models.source, read.ids, read.mask, topk=spec.attention_topk))
-        programs.append(
-            translate_jit.lower(
-                method.translator,
-                models.source,
-                models.target,
-                read.cache,
-                read.alignment,
-                contexts.ids,
-                contexts.mask,
-                read.topk,
-                capacity=capacity,
-            )
-        )
+        programs.append(translate_jit.lower(*method.translation_args(models, contexts, read), capacity=capacity))
     elif isinstance(method, Native):
         programs.append(prefill.lower(models.target, contexts.ids, contexts.mask, capacity=capacity))
     else:

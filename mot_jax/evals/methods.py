@@ -136,18 +136,13 @@ class Translated(Method):
         """(target cache, aux) of the translator writing the contexts' target grid from `read` (`read_source`)."""
         return watch.lap(
             "translation",
-            translate_jit(
-                self.translator,
-                models.source,
-                models.target,
-                read.cache,
-                read.alignment,
-                contexts.ids,
-                contexts.mask,
-                read.topk,
-                capacity=capacity,
-            ),
+            translate_jit(*self.translation_args(models, contexts, read), capacity=capacity),
         )
+
+    def translation_args(self, models, contexts, read: SourceRead) -> tuple:
+        """`translate_jit`'s arguments for the contexts (shared by the timed run and the memory plan)."""
+        t = self.translator
+        return t, models.source, models.target, read.cache, read.alignment, contexts.ids, contexts.mask, read.topk
 
     def handed(self, models, source_mask) -> np.ndarray:
         spec = self.translator.spec
