@@ -64,6 +64,36 @@ CONFIGS = {
             **TINY,
         ),
     },
+    "qwen3": {
+        # Qwen3-0.6B style: heads x head_dim (4 x 16) wider than hidden_size (32), GQA, tied head
+        "tied_gqa_wide_heads": lambda: transformers.Qwen3Config(
+            num_hidden_layers=2,
+            hidden_size=32,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            intermediate_size=64,
+            tie_word_embeddings=True,
+            rope_parameters=dict(rope_type="default", rope_theta=1e6),
+            **TINY,
+        ),
+        # Qwen3-8B style untied head, plus the config's other switches: biases, sliding layers (window 5 < 12)
+        "untied_bias_sliding": lambda: transformers.Qwen3Config(
+            num_hidden_layers=3,
+            hidden_size=48,
+            num_attention_heads=6,
+            num_key_value_heads=6,
+            head_dim=8,
+            intermediate_size=64,
+            tie_word_embeddings=False,
+            attention_bias=True,
+            use_sliding_window=True,
+            sliding_window=5,
+            max_window_layers=1,
+            rms_norm_eps=1e-5,
+            **TINY,
+        ),
+    },
     "llama": {
         # Llama-3.2 style: llama3 RoPE scaling (short original context so every band is exercised), untied head
         "llama3_rope": lambda: transformers.LlamaConfig(

@@ -8,6 +8,7 @@ from mot_jax.models.registry import FAMILIES, build_model, flat_params
 GPT2 = dict(model_type="gpt2", vocab_size=50257, n_positions=1024)
 OPT = dict(model_type="opt", vocab_size=50272, max_position_embeddings=2048, activation_function="relu")
 QWEN = dict(model_type="qwen2", vocab_size=151936, rope_theta=1e6, max_position_embeddings=32768)
+QWEN3 = dict(model_type="qwen3", vocab_size=151936, rope_theta=1e6, max_position_embeddings=40960, head_dim=128)
 
 # (name, config.json fields, published parameter count)
 REAL = [
@@ -58,6 +59,47 @@ REAL = [
             tie_word_embeddings=False,
         ),
         7_615_616_512,
+    ),
+    # Qwen3: heads x head_dim 2048 / 4096 / 4096 against hidden 1024 / 2560 / 4096. The counts are transformers'
+    # own (Qwen3ForCausalLM of these configs on the meta device, tied embeddings counted once).
+    (
+        "Qwen3-0.6B",
+        dict(
+            QWEN3,
+            num_hidden_layers=28,
+            hidden_size=1024,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            intermediate_size=3072,
+            tie_word_embeddings=True,
+        ),
+        596_049_920,
+    ),
+    (
+        "Qwen3-4B",
+        dict(
+            QWEN3,
+            num_hidden_layers=36,
+            hidden_size=2560,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            intermediate_size=9728,
+            tie_word_embeddings=True,
+        ),
+        4_022_468_096,
+    ),
+    (
+        "Qwen3-8B",
+        dict(
+            QWEN3,
+            num_hidden_layers=36,
+            hidden_size=4096,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            intermediate_size=12288,
+            tie_word_embeddings=False,
+        ),
+        8_190_735_360,
     ),
 ]
 

@@ -16,7 +16,7 @@ from mot_jax.models.layers import GLOBAL_WINDOW, attention_weights
 
 PREFILL_BLOCK = 512  # query block of a prefill into an empty cache (causal blocks above the diagonal are skipped)
 # Families whose cached keys carry RoPE (decoder.RotaryLM); GPT-2 and OPT add learned position embeddings instead.
-ROTARY_FAMILIES = ("qwen2", "llama", "gemma3")
+ROTARY_FAMILIES = ("qwen2", "qwen3", "llama", "gemma3")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +52,7 @@ class ModelConfig:
     pre_norm: bool = True
     final_norm: bool = True
     word_embed_proj_dim: int = 0
-    # Gemma-3
+    # Gemma-3 (qk_norm: also Qwen3)
     qk_norm: bool = False
     sandwich_norms: bool = False
     unit_offset_norms: bool = False  # (1 + w) RMSNorm scales

@@ -1,8 +1,9 @@
-"""The RoPE decoder shared by Qwen2/2.5, Llama and Gemma-3 (each family file only reads its HF config).
+"""The RoPE decoder shared by Qwen2/2.5, Qwen3, Llama and Gemma-3 (each family file only reads its HF config).
 
 Covers: GQA, q/k/v (Qwen2) or all-projection (Llama `attention_bias`) biases, MLP biases, tied or untied heads,
 RoPE default / linear / llama3 scaling, per-layer sliding windows with their own (local) RoPE, and Gemma-3's
-(1 + w) norms, q/k norm, sandwich norms, scaled embeddings, query_pre_attn_scalar and logit soft-caps.
+(1 + w) norms, q/k norm (also Qwen3's), sandwich norms, scaled embeddings, query_pre_attn_scalar and logit
+soft-caps.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 
 from mot_jax.errors import MotJaxError
-from mot_jax.models import decoder, gemma3, gpt2, llama, opt, qwen2
+from mot_jax.models import decoder, gemma3, gpt2, llama, opt, qwen2, qwen3
 from mot_jax.models.base import ModelConfig
 from mot_jax.models.mapping import to_hf_state_dict
 
@@ -27,6 +27,7 @@ FAMILIES = {
     "gpt2": (gpt2, gpt2.GPT2),
     "opt": (opt, opt.OPT),
     "qwen2": (qwen2, decoder.RotaryLM),
+    "qwen3": (qwen3, decoder.RotaryLM),
     "llama": (llama, decoder.RotaryLM),
     "gemma3_text": (gemma3, decoder.RotaryLM),
 }

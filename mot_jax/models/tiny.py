@@ -25,6 +25,8 @@ HF_CONFIGS = {
         352,
     ),
     "qwen2": (dict(model_type="qwen2", tie_word_embeddings=True, **_ROTARY), 384),
+    # heads x head_dim (4 x 32) wider than hidden_size (64), as in Qwen3-0.6B (16 x 128 over 1024)
+    "qwen3": (dict(model_type="qwen3", tie_word_embeddings=True, head_dim=32, **_ROTARY), 480),
     "llama": (dict(model_type="llama", tie_word_embeddings=False, **_ROTARY), 416),
     "gemma3": (
         dict(model_type="gemma3_text", head_dim=16, query_pre_attn_scalar=16, sliding_window=32, **_ROTARY)
