@@ -27,6 +27,20 @@ TINY = {
         tie_word_embeddings=False,
         vocab_size=97,
     ),
+    # heads x head_dim (4 x 16) wider than hidden_size (32), GQA, tied head (as llama.cpp writes Qwen3-0.6B)
+    "qwen3": lambda: transformers.Qwen3Config(
+        num_hidden_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=64,
+        rope_parameters=dict(rope_type="default", rope_theta=1e6),
+        tie_word_embeddings=True,
+        vocab_size=97,
+        bos_token_id=1,  # Qwen3Config has none; the GGUF writer needs ints
+        eos_token_id=2,
+    ),
     # 7 layers: sliding pattern 6 (layer 5 global), window 4 shorter than the 12-token batch
     "gemma3": lambda: transformers.Gemma3TextConfig(
         num_hidden_layers=7,
@@ -62,6 +76,10 @@ def write_gguf(path, model, arch):
     if arch == "llama":
         w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
         w.add_rope_dimension_count(cfg.head_dim)
+    elif arch == "qwen3":
+        w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
     else:
         w.add_rope_freq_base(cfg.rope_parameters["full_attention"]["rope_theta"])
         w.add_key_length(cfg.head_dim)
@@ -103,7 +121,7 @@ def check_logits(model, reference):
     np.testing.assert_allclose(ours[valid], theirs[valid], atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
 def test_tiny_gguf_matches_transformers(arch, tmp_path, cache):
     reference = save_tiny(TINY[arch](), tmp_path / "hf")
     write_gguf(tmp_path / "tiny.gguf", reference, arch)

@@ -1,4 +1,4 @@
-"""Load GGUF checkpoints (llama, gemma3) into our models through a converted safetensors cache.
+"""Load GGUF checkpoints (llama, qwen3, gemma3) into our models through a converted safetensors cache.
 
 The first load de-quantizes the file to float32 with Hugging Face tensor names and an HF-style config, builds the
 model from that, and writes `model.safetensors`, `config.json` and the tokenizer to `$MOT_JAX_CACHE` (default
@@ -41,7 +41,7 @@ EMBEDDED = {
 FORMAT = 1  # bump when the conversion changes: old cache directories are then ignored
 MANIFEST = "manifest.json"
 
-# GGUF tensor names -> HF names (llama.cpp's gguf-py TensorNameMap, for the two supported architectures)
+# GGUF tensor names -> HF names (llama.cpp's gguf-py TensorNameMap, for the supported architectures)
 TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 LAYER = {
     "attn_norm": "input_layernorm",
@@ -57,6 +57,7 @@ LAYER = {
 }
 ARCH_LAYER = {
     "llama": {"ffn_norm": "post_attention_layernorm"},
+    "qwen3": {"ffn_norm": "post_attention_layernorm"},
     "gemma3": {
         "post_attention_norm": "post_attention_layernorm",
         "ffn_norm": "pre_feedforward_layernorm",
@@ -117,7 +118,7 @@ def _assemble(package, target: Path) -> Path:
 
 
 def read_gguf(path: Path) -> tuple[dict, dict[str, np.ndarray], dict]:
-    """(HF-style config dict, {HF tensor name: float32 array}, GGUF metadata) of a llama or gemma3 GGUF file."""
+    """(HF-style config dict, {HF tensor name: float32 array}, GGUF metadata) of a llama, qwen3 or gemma3 GGUF file."""
     import gguf
 
     try:
@@ -206,6 +207,15 @@ def hf_config(meta: dict, shapes: dict[str, tuple]) -> dict:
             hidden_act="silu",
             attention_bias="blk.0.attn_q.bias" in shapes,
             mlp_bias="blk.0.ffn_gate.bias" in shapes,
+            rope_parameters=rope,
+        )
+    if arch == "qwen3":  # llama.cpp writes Qwen's q/k rows unpermuted (only its llama converter permutes)
+        return dict(
+            d,
+            model_type="qwen3",
+            architectures=["Qwen3ForCausalLM"],
+            hidden_act="silu",
+            attention_bias="blk.0.attn_q.bias" in shapes,
             rope_parameters=rope,
         )
     # gemma3: newer files may store the local RoPE base and the sliding pattern (an int, or a flag per layer);
