@@ -14,6 +14,7 @@ FAMILIES = [
     ("gpt2", "inverse_layer_scale"),
     ("opt", "post_ln_projected"),
     ("qwen2", "untied_sliding"),
+    ("qwen3", "untied_bias_sliding"),
     ("gemma3", "sliding_softcap"),
 ]
 
