@@ -339,7 +339,7 @@ def test_shuffled_source_equals_the_translation_when_the_translator_ignores_the_
 def test_shuffled_source_row_is_the_translation_of_another_examples_source(pair):
     """Row b's cache is the normal translation of its donor's (the next example's) context, built here on its own
     through CacheTranslator; the prefixes are cut to one length so both grids agree."""
-    from mot_jax.translate.translator import CacheTranslator
+    from mot_jax.translate.pipeline import CacheTranslator
 
     translator = direct_translator(pair, seed=1)
     method = Translated("MoT direct", translator, "-", 0)

@@ -20,7 +20,8 @@ from mot_jax.models import tiny
 from mot_jax.models.base import decode_step
 from mot_jax.models.registry import hf_state_dict
 from mot_jax.translate import channels
-from mot_jax.translate.translator import CacheTranslator, KVTranslator, TranslationSpec, mixture_config
+from mot_jax.translate.pipeline import CacheTranslator
+from mot_jax.translate.translator import KVTranslator, TranslationSpec, mixture_config
 
 TEXT = "The lighthouse keeper on Farrow Island counts ships at dawn and writes their names in a blue book."
 NEW_TOKENS = 20

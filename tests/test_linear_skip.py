@@ -11,13 +11,12 @@ from training_helpers import tiny_batch
 from mot_jax.jit import jit
 from mot_jax.training import objective
 from mot_jax.translate import channels
+from mot_jax.translate.linear_skip import linear_skip_sums, solve_linear_skip
 from mot_jax.translate.translator import (
     KVTranslator,
     TranslationSpec,
-    linear_skip_sums,
     mixture_config,
     run_native_bottom,
-    solve_linear_skip,
     translate_window,
 )
 

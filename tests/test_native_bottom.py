@@ -12,12 +12,12 @@ from mot_jax.errors import MotJaxError
 from mot_jax.models.base import prefill
 from mot_jax.translate import channels
 from mot_jax.translate.align import align_batch, identity_alignment
+from mot_jax.translate.pipeline import source_prefill
 from mot_jax.translate.translator import (
     KVTranslator,
     TranslationSpec,
     mixture_config,
     run_native_bottom,
-    source_prefill,
     translate,
     window_inputs,
 )

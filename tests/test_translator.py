@@ -16,12 +16,11 @@ from mot_jax.models.layers import apply_rope
 from mot_jax.models.loading import load_model
 from mot_jax.translate import channels
 from mot_jax.translate.align import Alignment, identity_alignment
+from mot_jax.translate.pipeline import CacheTranslator, source_prefill
 from mot_jax.translate.translator import (
-    CacheTranslator,
     KVTranslator,
     TranslationSpec,
     mixture_config,
-    source_prefill,
     sparse_indices,
     translate,
     window_block,

@@ -41,6 +41,7 @@ from mot_jax.errors import MotJaxError, cause
 from mot_jax.evals import jsonl, synthetic
 from mot_jax.files import json_lines, utf8
 from mot_jax.paths import cache_root
+from mot_jax.tfds_builders import one_split_builder, prepared, quiet_tfds
 
 TASKS = synthetic.TASKS
 SYNTHETIC_OPTIONS = ("distractors", "questions_per_example")
@@ -70,8 +71,6 @@ def synthetic_set(
 ) -> list[dict]:
     """synthetic.examples(...) stored as a TFDS array_record dataset (one config per task, size, seed and options,
     named with a hash of synthetic.py so a changed generator gets a new set) and read back from it."""
-    from mot_jax.training.corpus import _quiet, one_split_builder, prepared
-
     distractors = synthetic.DISTRACTORS[task] if distractors is None else distractors
     questions = f"_q{questions_per_example}" if task == "multi_agent" else ""
     code = hashlib.sha256(Path(synthetic.__file__).read_bytes()).hexdigest()[:12]
@@ -83,12 +82,12 @@ def synthetic_set(
     def build(builder):
         print(f"Preparing the synthetic {task} set into {builder.data_dir} (once)", file=sys.stderr)
         builder.records = (json.dumps(e) for e in make())  # in generation order
-        with _quiet():
+        with quiet_tfds():
             builder.download_and_prepare()
 
     # one "test" split of {"json": example as JSON text} records, built once among concurrent processes
     builder = prepared(lambda: one_split_builder("mot_eval", "test", "json", config, data_dir), build)
-    with _quiet():
+    with quiet_tfds():
         source = builder.as_data_source(split="test")  # what tfds.data_source returns, without a registered name
     return [json.loads(record["json"]) for record in source.__getitems__(range(len(source)))]
 

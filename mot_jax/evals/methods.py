@@ -34,7 +34,7 @@ from mot_jax.evals.prompts import (
 )
 from mot_jax.models.base import generate, prefill
 from mot_jax.translate import align as alignment_lib
-from mot_jax.translate.translator import SourceRead, read_source, translate_jit
+from mot_jax.translate.pipeline import SourceRead, read_source, translate_jit
 
 BASELINES = ("no_context", "native", "text_relay")
 

@@ -3,8 +3,8 @@
 `documents(corpus)` returns {"train", "validation"} sequences of strings. Corpora:
 
 - "docs_prose" (the default): English prose paragraphs from the docstrings of the Python standard library and the
-  installed ML packages. Every machine has it after set-up, with no download, and it is the same text on the same
-  package versions.
+  installed ML packages (docs_prose.py). Every machine has it after set-up, with no download, and it is the same
+  text on the same package versions.
 - a local folder or file: .txt (one document per file; files over 20k characters split into paragraph groups),
   .jsonl (field "text" per line) and .parquet (column "text") files, in sorted path order.
 - "tfds:NAME" (a TFDS catalog dataset) or "huggingface:NAME" (TFDS's Hugging Face builder, needs `datasets`):
@@ -12,40 +12,35 @@
 
 Validation is the corpus's own "validation" split when it has one, else every 50th document of "train" (the rest
 stay in train). Local and docs_prose corpora are written as one TFDS "train" split under a config named by a
-fingerprint of the source files (paths, sizes, mtimes) and of this module's code, so they are rebuilt exactly when
-their text may have changed and reused otherwise.
+fingerprint of the source files (paths, sizes, mtimes) and of the code that writes them (this module, docs_prose.py
+and tfds_builders.py), so they are rebuilt exactly when their text may have changed and reused otherwise.
 """
 
 from __future__ import annotations
 
-import ast
-import contextlib
 import hashlib
-import importlib.metadata
 import importlib.util
-import inspect
-import io
 import json
 import re
 import sys
-import sysconfig
-import textwrap
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 
+from mot_jax import tfds_builders
 from mot_jax.errors import MotJaxError, cause
 from mot_jax.files import json_lines
-from mot_jax.paths import cache_lock, cache_root
+from mot_jax.paths import cache_root
 from mot_jax.progress import Progress
+from mot_jax.training import docs_prose
 
 DEFAULT_CORPUS = "docs_prose"
 VALIDATION_EVERY = 50  # without a validation split, document i is validation when i % 50 == 49
 DOCUMENT_CHARS = 4000  # consecutive paragraphs are grouped into documents of about this many characters
 SPLIT_TXT_CHARS = 20_000  # a local .txt file longer than this is split into paragraph groups
 SUFFIXES = (".jsonl", ".parquet", ".txt")
-PROSE_PACKAGES = ("numpy", "jax", "flax", "optax", "orbax", "absl", "ml_collections", "transformers", "torch")
+_CODE = (__file__, docs_prose.__file__, tfds_builders.__file__)  # what writes our corpora: in their fingerprint
 ACCEPTED = (
     f'"{DEFAULT_CORPUS}" (offline default), a local folder or file of .txt/.jsonl/.parquet, "tfds:NAME" or '
     '"huggingface:NAME"'
@@ -81,8 +76,8 @@ def documents(corpus: str = DEFAULT_CORPUS, data_dir=None) -> dict[str, Document
     first call and reused afterwards."""
     data_dir = Path(data_dir or cache_root() / "tfds").expanduser()
     if corpus == DEFAULT_CORPUS:
-        files, read = _prose_sources()
-        return _splits(_prepare(DEFAULT_CORPUS, files, read, data_dir), data_dir)
+        files, read = docs_prose.sources()
+        return _splits(_prepare(DEFAULT_CORPUS, files, lambda: _grouped(*read()), data_dir), data_dir)
     scheme, _, name = corpus.partition(":")
     if scheme in ("tfds", "huggingface") and name:
         return _splits(_catalog(corpus, data_dir), data_dir)
@@ -98,57 +93,10 @@ def documents(corpus: str = DEFAULT_CORPUS, data_dir=None) -> dict[str, Document
 # ------------------------------------------------------------------------------------------------- TFDS plumbing
 
 
-@contextlib.contextmanager
-def _quiet():
-    """No TFDS progress bars, absl warnings or stdout lines (we print our own one line)."""
-    import tensorflow_datasets as tfds
-    from absl import logging
-    from tensorflow_datasets.core.utils import tqdm_utils
-
-    bar, verbosity = getattr(tqdm_utils, "_active", True), logging.get_verbosity()
-    tfds.display_progress_bar(False)
-    logging.set_verbosity(logging.ERROR)
-    try:
-        with contextlib.redirect_stdout(io.StringIO()):
-            yield
-    finally:
-        tfds.display_progress_bar(bar)
-        logging.set_verbosity(verbosity)
-
-
-def one_split_builder(builder_name: str, split: str, feature: str, config: str, data_dir: Path, metadata=False):
-    """An unregistered TFDS builder `builder_name`/`config` under `data_dir` of one `split` of {`feature`: text}
-    records, unshuffled, in the order of `builder.records` (texts; set it before `download_and_prepare`): the form of
-    the datasets this project writes itself (local and docs_prose corpora, synthetic evaluation sets). `metadata`: the
-    info carries a MetadataDict to fill before preparing."""
-    import tensorflow_datasets as tfds
-
-    class OneSplitBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
-        name = builder_name
-        VERSION = tfds.core.Version("1.0.0")
-        code_path = None  # no checksums file to look for (TFDS's lookup needs importlib_resources in a package)
-        records: Iterable[str] = ()
-
-        def _info(self):
-            features = tfds.features.FeaturesDict({feature: tfds.features.Text()})
-            extra = dict(metadata=tfds.core.MetadataDict()) if metadata else {}
-            return tfds.core.DatasetInfo(builder=self, features=features, disable_shuffling=True, **extra)
-
-        def _split_generators(self, dl_manager):
-            return {split: self._generate_examples()}
-
-        def _generate_examples(self):
-            yield from enumerate({feature: text} for text in self.records)
-
-    return OneSplitBuilder(
-        config=tfds.core.BuilderConfig(name=config), data_dir=str(data_dir), file_format="array_record"
-    )
-
-
 def _builder(config: str, data_dir: Path):
     """The builder of our own corpora: one "train" split of {"text"} records in document order (unshuffled: the
     validation rule relies on it)."""
-    return one_split_builder("mot_text", "train", "text", config, data_dir, metadata=True)
+    return tfds_builders.one_split_builder("mot_text", "train", "text", config, data_dir, metadata=True)
 
 
 def _with_progress(texts: list[str]):
@@ -158,27 +106,10 @@ def _with_progress(texts: list[str]):
             progress.update()
 
 
-def prepared(make: Callable[[], object], build: Callable[[object], None]):
-    """The TFDS builder `make()` returns, prepared by `build(builder)` when it is not yet: safe for any number of
-    processes at once. The build holds the dataset's own lock (TFDS writes to a temporary folder and renames it);
-    a process that waited makes a fresh builder, whose info holds the splits the other process wrote."""
-    with _quiet():
-        builder = make()
-        if builder.is_prepared():
-            return builder
-    with cache_lock(builder.data_dir):
-        with _quiet():
-            builder = make()
-            ready = builder.is_prepared()
-        if not ready:
-            build(builder)
-    return builder
-
-
 def _prepare(kind: str, files: list[Path], read: Callable[[], tuple[list[str], dict]], data_dir: Path):
     """The builder of a local or docs_prose corpus, written on the first call for this fingerprint of `files`."""
     stats = sorted((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
-    code = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+    code = hashlib.sha256(b"".join(Path(m).read_bytes() for m in _CODE)).hexdigest()
     fingerprint = hashlib.sha256(json.dumps([kind, code, stats]).encode()).hexdigest()[:16]
 
     def build(builder):
@@ -189,10 +120,10 @@ def _prepare(kind: str, files: list[Path], read: Callable[[], tuple[list[str], d
             sources=sources, documents=len(texts), characters=sum(map(len, texts)), text_sha256=text_sha
         )
         builder.records = _with_progress(texts)
-        with _quiet():
+        with tfds_builders.quiet_tfds():
             builder.download_and_prepare()
 
-    return prepared(lambda: _builder(f"{kind}_{fingerprint}", data_dir), build)
+    return tfds_builders.prepared(lambda: _builder(f"{kind}_{fingerprint}", data_dir), build)
 
 
 def _catalog(corpus: str, data_dir: Path):
@@ -217,7 +148,7 @@ def _catalog(corpus: str, data_dir: Path):
         builder.download_and_prepare()
 
     try:
-        builder = prepared(make, build)
+        builder = tfds_builders.prepared(make, build)
     except MotJaxError:
         raise
     except ModuleNotFoundError as e:
@@ -231,7 +162,7 @@ def _catalog(corpus: str, data_dir: Path):
 
 
 def _splits(builder, data_dir: Path) -> dict[str, Documents]:
-    with _quiet():
+    with tfds_builders.quiet_tfds():
         train = builder.as_data_source(split="train")
         validation = builder.as_data_source(split="validation") if "validation" in builder.info.splits else None
     name = builder.info.full_name
@@ -257,6 +188,11 @@ def _group(paragraphs: list[str], limit: int = DOCUMENT_CHARS) -> list[str]:
         current.append(paragraph)
         size += len(paragraph) + 2
     return groups + (["\n\n".join(current)] if current else [])
+
+
+def _grouped(parts: list[list[str]], sources: dict) -> tuple[list[str], dict]:
+    """The paragraphs of each part (docs_prose: one part per file or pydoc topic) grouped into documents."""
+    return [document for part in parts for document in _group(part)], sources
 
 
 # ---------------------------------------------------------------------------------------------- local corpora
@@ -309,137 +245,3 @@ def _read_local(files: list[Path]) -> tuple[list[str], dict]:
                 raise MotJaxError(f"{file} is not UTF-8 text; convert it to UTF-8 or remove it.") from None
             progress.update()
     return texts, {"files": len(files)}
-
-
-# -------------------------------------------------------------------------------------------------- docs_prose
-
-_SKIP_DIRS = {"test", "tests", "testing", "idlelib", "site-packages", "dist-packages", "__pycache__"}
-_MARKUP = [  # reST / Markdown inline markup -> its text
-    (re.compile(r":(?:\w+:)+`~?([^`<]*?)\s*(?:<[^>]*>)?`"), r"\1"),  # :role:`text <target>`
-    (re.compile(r"\[`~?([^`]+)`\]"), r"\1"),  # [`Name`] (transformers)
-    (re.compile(r"``([^`]+)``"), r"\1"),
-    (re.compile(r"`([^`<]*?)\s*(?:<[^>]*>)?`_{0,2}"), r"\1"),  # `text`, `text <url>`_
-    (re.compile(r"\*\*?([A-Za-z][^*\n]*?)\*\*?"), r"\1"),  # *emphasis*, **strong**
-    (re.compile(r"\[([^\]]+)\]\((?:https?://|#)[^)\s]*\)"), r"\1"),  # [text](url)
-]
-_NOT_PROSE_LINE = re.compile(  # matched at the start of each line of a paragraph
-    r"""
-      >>> | \.\.\. | \$\  | % | \# | @                # doctest and shell prompts, comments, decorators
-    | \.\.\  | :\w[\w\ ]*:(\s|$)                     # reST directives, field lists
-    | [-=~^*+\#_`]{3,} | \|                          # rules, fences, tables
-    | [\w.\[\]]+(,\ *[\w.\[\]]+)*\ =[^=]              # an assignment
-    | [\w.]+\(.*\)$                                  # a bare call
-    | from\ [\w.]+\ import\  | import\ [\w.]+$ | def\ \w+\( | class\ \w+[(:] | print\(
-    """,
-    re.VERBOSE,
-)
-_PROSE_CHAR = re.compile(r"[\w\s.,;:'\"!?()\-]")
-
-
-def _prose_roots() -> list[tuple[str, Path]]:
-    """The standard library and the installed PROSE_PACKAGES (found without importing them)."""
-    roots = [("python", Path(sysconfig.get_paths()["stdlib"]))]
-    for package in PROSE_PACKAGES:
-        spec = importlib.util.find_spec(package)
-        if spec and spec.submodule_search_locations:
-            roots += [(package, Path(p)) for p in sorted(spec.submodule_search_locations)]
-    return roots
-
-
-def _python_files(root: Path) -> list[Path]:
-    return [
-        p
-        for p in sorted(root.rglob("*.py"))
-        if not _SKIP_DIRS & set(p.relative_to(root).parts[:-1])
-        and not p.name.startswith("test_")
-        and not p.name.endswith("_test.py")
-    ]
-
-
-def _statements(node):
-    """`node` and, recursively, the statements nested in it (expressions are not visited: ast.walk is 3x slower)."""
-    yield node
-    for field in ("body", "orelse", "finalbody", "handlers", "cases"):
-        for child in getattr(node, field, None) or ():
-            yield from _statements(child)
-
-
-def _docstrings(source: str):
-    """Docstrings of the module, classes and functions, and attribute docstrings (a string after an assignment)."""
-    try:
-        tree = ast.parse(source)
-    except (SyntaxError, ValueError):
-        return
-    for node in _statements(tree):
-        if not isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-            continue
-        attributes = isinstance(node, (ast.Module, ast.ClassDef))
-        for i, statement in enumerate(node.body):
-            value = getattr(statement, "value", None)
-            if isinstance(statement, ast.Expr) and isinstance(value, ast.Constant) and isinstance(value.value, str):
-                if i == 0 or attributes and isinstance(node.body[i - 1], (ast.Assign, ast.AnnAssign)):
-                    yield value.value
-
-
-def _prose(paragraph: str) -> str | None:
-    """The paragraph as one line of prose, or None when it looks like code, markup, a table or a fragment."""
-    lines = [line.rstrip() for line in textwrap.dedent(paragraph).strip().split("\n")]
-    if any(not line or line[0].isspace() or _NOT_PROSE_LINE.match(line) for line in lines):
-        return None  # relatively indented lines: code, parameter tables, hanging lists
-    text = " ".join(line.strip() for line in lines)
-    for pattern, replacement in _MARKUP:
-        text = pattern.sub(replacement, text)
-    text = text[:-1] if text.endswith("::") else text
-    letters = sum(c.isalpha() or c.isspace() or c == "_" for c in text)
-    if letters < 0.75 * len(text) or len(_PROSE_CHAR.findall(text)) < 0.95 * len(text):
-        return None  # mostly symbols, numbers or math
-    if len(text) < 40 or len(text.split()) < 6 or not text[0].isalpha():
-        return None
-    return text if text[-1].isalnum() or text[-1] in ".!?:)" else None
-
-
-def _paragraphs(docstring: str, seen: set[str]) -> list[str]:
-    """New prose paragraphs of one docstring (reST literal blocks after "::" skipped; exact duplicates dropped)."""
-    kept, previous = [], ""
-    for paragraph in re.split(r"\n[ \t]*\n", inspect.cleandoc(docstring)):
-        paragraph = "\n".join(line.rstrip() for line in paragraph.strip("\n").split("\n"))
-        if paragraph[:1].isspace() and previous.endswith("::"):
-            continue
-        previous = previous if paragraph[:1].isspace() else paragraph
-        text = _prose(paragraph)
-        if text and text not in seen:
-            seen.add(text)
-            kept.append(text)
-    return kept
-
-
-def _version(package: str) -> str:
-    try:
-        return importlib.metadata.version(importlib.metadata.packages_distributions().get(package, [package])[0])
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
-
-
-def _prose_sources() -> tuple[list[Path], Callable[[], tuple[list[str], dict]]]:
-    """The files docs_prose reads (for the fingerprint), and the function that extracts its documents and the
-    versions of what it read."""
-    roots = _prose_roots()
-    files = [(name, path) for name, root in roots for path in _python_files(root)]
-
-    def read():
-        from pydoc_data.topics import topics
-
-        seen, texts = set(), []
-        with Progress("Reading docstrings", "file", total=len(files)) as progress:
-            for _, path in files:
-                progress.update()
-                try:
-                    source = path.read_text(encoding="utf-8")
-                except (UnicodeDecodeError, OSError):
-                    continue
-                texts += _group([p for d in _docstrings(source) for p in _paragraphs(d, seen)])
-        for key in sorted(topics):
-            texts += _group(_paragraphs(topics[key], seen))
-        return texts, {"python": sys.version.split()[0]} | {name: _version(name) for name, _ in roots[1:]}
-
-    return [path for _, path in files], read

@@ -25,7 +25,8 @@ from mot_jax.models.registry import resolve_dtype
 from mot_jax.training import data, objective
 from mot_jax.training.optim import adamw
 from mot_jax.training.setup import Pair
-from mot_jax.translate.translator import KVTranslator, linear_skip_sums, solve_linear_skip
+from mot_jax.translate.linear_skip import linear_skip_sums, solve_linear_skip
+from mot_jax.translate.translator import KVTranslator
 
 
 class Trainer:

@@ -20,10 +20,9 @@ attention sink every later token reads), and sparse attention always lets a quer
 measure what they are worth).
 
 `KVTranslator` holds the trainable parameters (a K and a V mixture, or projector, and with `linear_skip` a linear map
-per window layer beside each, set by least squares before training: `linear_skip_sums`, `solve_linear_skip`);
-`translate` is the jittable function that training and evaluation share; `read_source` is the source's side of a
-batch of contexts (alignment, then prefill) that evaluation and `CacheTranslator`, the user-facing object that starts
-from text, share.
+per window layer beside each, set by least squares before training: `linear_skip.py`); `translate` is the jittable
+function that training and evaluation share. The pipeline from text to a target cache (`read_source`,
+`CacheTranslator`) is `pipeline.py`.
 """
 
 from __future__ import annotations
@@ -36,10 +35,8 @@ import numpy as np
 from flax import nnx
 
 from mot_jax.errors import MotJaxError
-from mot_jax.jit import jit
 from mot_jax.models import decoder
 from mot_jax.models.base import CausalLM, Injection, first_valid_index, positions_from_mask
-from mot_jax.models.cache import KVCache
 from mot_jax.models.layers import apply_rope, param
 from mot_jax.translate import align as alignment_lib
 from mot_jax.translate import channels
@@ -152,7 +149,7 @@ def mixture_config(spec: TranslationSpec, source: CausalLM, target: CausalLM, **
 
 class LinearSkip(nnx.Module):
     """Per window layer, y = x @ kernel + bias from the aligned source vectors [B, T, W, ds] to [B, T, W, dt]; zero
-    until training starts it at the least-squares fit (`solve_linear_skip`)."""
+    until training starts it at the least-squares fit (`linear_skip.solve_linear_skip`)."""
 
     def __init__(self, cfg: TranslatorConfig, *, dtype=jnp.float32):
         shape = (cfg.window, cfg.source_width, cfg.target_width)
@@ -278,58 +275,6 @@ def translate_window(
     return to_cache(k), to_cache(v), aux
 
 
-def linear_skip_sums(
-    translator: KVTranslator, source: CausalLM, target: CausalLM, source_cache, alignment, native, mask, target_ids
-):
-    """Sufficient statistics of one batch for `solve_linear_skip`, per "key" and "value": over the valid tokens except
-    each row's first (whose K/V are the target's own), the count `n`, sums `x` [W, ds], `r` [W, dt], `rr` [W] and
-    products `xx` [W, ds, ds], `xr` [W, ds, dt], where x are the translator's inputs (`window_inputs`) and r the
-    target's native K/V (`native`, its cache of the context `target_ids`; keys un-rotated for rotary specs) less the
-    mixture's output."""
-    spec = translator.spec
-    _, features = run_native_bottom(spec, target, target_ids, mask, target.init_cache(*target_ids.shape))
-    inputs = window_inputs(spec, source, target, source_cache, alignment, features)
-    _, target_freq = rotary_tables(spec, source, target)
-    wanted = (
-        window_block(native.k, spec.target_layers, positions_from_mask(mask), target_freq),
-        window_block(native.v, spec.target_layers),
-    )
-    weight = mask & (jnp.arange(mask.shape[1]) != first_valid_index(mask)[:, None])
-    w = weight[:, :, None, None].astype(jnp.float32)
-    sums = {}
-    for name, x, want in zip(("key", "value"), inputs, wanted):
-        x = x.astype(jnp.float32)
-        r = want.astype(jnp.float32) - getattr(translator, name)(x, mask)[0].astype(jnp.float32)
-        sums[name] = dict(
-            n=weight.sum(),
-            x=(x * w).sum((0, 1)),
-            r=(r * w).sum((0, 1)),
-            rr=(r * r * w).sum((0, 1, 3)),
-            xx=jnp.einsum("btwi,btwj->wij", x * w, x),
-            xr=jnp.einsum("btwi,btwo->wio", x * w, r),
-        )
-    return sums
-
-
-def solve_linear_skip(sums: dict, ridge: float = 1e-3):
-    """Least squares from summed statistics (`linear_skip_sums`, added over batches): per window layer the kernel and
-    bias minimising the mean squared residual, with a ridge of `ridge` x the mean input variance for stability.
-    Returns (kernel [W, ds, dt], bias [W, dt], residual MSE before, after), in float64."""
-    n = float(sums["n"])
-    mx, mr = np.asarray(sums["x"], np.float64) / n, np.asarray(sums["r"], np.float64) / n
-    cov = np.asarray(sums["xx"], np.float64) / n - mx[:, :, None] * mx[:, None, :]
-    cross = np.asarray(sums["xr"], np.float64) / n - mx[:, :, None] * mr[:, None, :]
-    eye = np.eye(cov.shape[-1])
-    reg = ridge * np.trace(cov, axis1=1, axis2=2)[:, None, None] / cov.shape[-1] * eye
-    kernel = np.linalg.solve(cov + reg, cross)
-    bias = mr - np.einsum("wi,wio->wo", mx, kernel)
-    before = np.asarray(sums["rr"], np.float64).sum() / n / mr.size  # mean of r^2 over tokens, layers, channels
-    # the fit removes the mean of r (bias) and the part of its variance that x explains
-    explained = 2 * np.einsum("wio,wio->", cross, kernel) - np.einsum("wio,wij,wjo->", kernel, cov, kernel)
-    after = before - (np.square(mr).sum() + explained) / mr.size
-    return kernel, bias, before, after
-
-
 def sparse_indices(spec: TranslationSpec, source_topk, alignment, first):
     """Per target layer, the target key tokens each target query may attend to: [Lt, B, T, k + 1].
 
@@ -383,110 +328,3 @@ def translate(
         injection = injection.replace(sparse_index=sparse_indices(spec, source_topk, alignment, first), sparse=sparse)
     _, cache, _ = target.run_layers(target_ids, mask, cache=cache, injection=injection, fresh=True)
     return cache, aux
-
-
-@jit(static_argnames=("topk",))
-def source_prefill(source, source_ids, source_mask, *, topk=0):
-    _, cache, indices = source.run_layers(source_ids, source_mask, topk=topk)
-    return cache, indices
-
-
-@jit(static_argnames=("capacity",))
-def translate_jit(
-    translator, source, target, source_cache, alignment, target_ids, target_mask, source_topk, *, capacity=None
-):
-    """`translate`, jitted: (the target cache, the aux outputs)."""
-    return translate(
-        translator, source, target, source_cache, alignment, target_ids, target_mask, source_topk, capacity
-    )
-
-
-def runs_source(spec: TranslationSpec) -> bool:
-    """Whether translating needs the source to read the context: for its K/V (`reads_source`) or, in sparse replay,
-    for its attention. The source-free control runs no source at all, so none of it can leak in."""
-    return spec.reads_source or bool(spec.attention_topk)
-
-
-@dataclasses.dataclass
-class SourceRead:
-    """The source's side of a batch of target contexts (`read_source`): what `translate` takes from the source."""
-
-    ids: np.ndarray  # [B, S] the source's tokens of the contexts' text, right-padded
-    mask: np.ndarray  # [B, S]
-    alignment: alignment_lib.Alignment  # the source tokens onto the target grid
-    cache: KVCache | None = None  # the source's prefill of `ids`; None when the translator runs no source
-    topk: jax.Array | None = None  # its attention's top-k key indices [Ls, B, S, k] for sparse replay, else None
-
-
-def read_source(
-    spec: TranslationSpec, source: CausalLM, source_tokenizer, target_tokenizer, target_ids, target_mask, bucket=None
-) -> SourceRead:
-    """The source's side of a batch of right-padded target contexts: the source re-encodes their text (as the target
-    tokenizer decodes it), its tokens are aligned onto the target's, and it prefills them (with its attention's top-k
-    keys for sparse replay) unless `runs_source(spec)` says the translator needs nothing of it. `bucket` pads the
-    source tokens to a multiple of it, so that jitted programs compile once per bucket rather than per batch."""
-    source_ids, source_mask, alignment = alignment_lib.align_batch(
-        target_tokenizer, source_tokenizer, np.asarray(target_ids), np.asarray(target_mask)
-    )
-    if not runs_source(spec):
-        return SourceRead(source_ids, source_mask, alignment)
-    longest = int(source_mask.sum(1).max())
-    if longest > source.config.max_positions:
-        raise MotJaxError(
-            f"A context re-encodes to {longest} source tokens, more than the source model's "
-            f"{source.config.max_positions}; shorten it (in evaluation: lower the context budget, --config.budgets)."
-        )
-    if bucket:
-        length = -(-source_ids.shape[1] // bucket) * bucket
-        source_ids, source_mask, alignment = alignment_lib.pad_source(source_ids, source_mask, alignment, length)
-    cache, topk = source_prefill(source, source_ids, source_mask, topk=spec.attention_topk)
-    return SourceRead(source_ids, source_mask, alignment, cache, topk)
-
-
-class CacheTranslator:
-    """Turns source text (or a source cache) into a target cache ready for the target's generation, for a batch.
-
-    ct = CacheTranslator(source, target, source_tokenizer, target_tokenizer, translator)
-    cache, ids, mask = ct.from_text(["passage one ...", "passage two ..."], capacity=T + suffix)
-    logits, cache = target(suffix_ids, suffix_mask, cache=cache)
-    """
-
-    def __init__(self, source, target, source_tokenizer, target_tokenizer, translator: KVTranslator):
-        self.source, self.target, self.translator = source, target, translator
-        self.source_tokenizer, self.target_tokenizer = source_tokenizer, target_tokenizer
-
-    def from_text(self, texts, capacity=None):
-        """(target cache, target ids [B, T], target mask [B, T]) for a batch of context texts."""
-        if not texts or any(not t.strip() for t in texts):
-            raise MotJaxError("Every context text must be non-empty; drop empty examples before translating.")
-        ids, mask = alignment_lib.encode_texts(self.target_tokenizer, texts)
-        return self.from_target_ids(ids, mask, capacity), ids, mask
-
-    def from_target_ids(self, target_ids, target_mask, capacity=None):
-        """The target cache of a padded batch of target-tokenized contexts (the source reads the same text)."""
-        read = read_source(
-            self.translator.spec, self.source, self.source_tokenizer, self.target_tokenizer, target_ids, target_mask
-        )
-        return self.from_source_cache(read.cache, read.alignment, target_ids, target_mask, read.topk, capacity)
-
-    def from_source_cache(self, source_cache, alignment, target_ids, target_mask, source_topk=None, capacity=None):
-        """The target cache of a padded batch of target contexts from the source's cache of the same text (None for
-        a translator that reads no source), its alignment onto the target tokens and, for sparse replay, its
-        attention's top-k keys."""
-        if source_cache is not None and source_cache.k.shape[1] != np.shape(target_ids)[0]:
-            raise MotJaxError(
-                f"The source cache holds {source_cache.k.shape[1]} sequences but {np.shape(target_ids)[0]} target "
-                "contexts were given; pass one target context per source sequence."
-            )
-        cache, _ = translate_jit(
-            self.translator,
-            self.source,
-            self.target,
-            source_cache,
-            alignment,
-            jnp.asarray(target_ids),
-            jnp.asarray(target_mask),
-            source_topk,
-            capacity=capacity,
-        )
-        return cache

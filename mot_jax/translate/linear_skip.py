@@ -1,0 +1,67 @@
+"""The linear skip's start: the least-squares fit, before training, of what the untrained mixture leaves of the
+target's native K/V, per window layer (`KVTranslator` with `cfg.linear_skip`; `Trainer.fit_linear_skip` sets its
+`key_skip` and `value_skip` to the fit).
+
+`linear_skip_sums` takes one batch's sufficient statistics (jittable, added over batches); `solve_linear_skip` solves
+the ridge-regularised least squares from them on the host.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from mot_jax.models.base import CausalLM, first_valid_index, positions_from_mask
+from mot_jax.translate.translator import KVTranslator, rotary_tables, run_native_bottom, window_block, window_inputs
+
+
+def linear_skip_sums(
+    translator: KVTranslator, source: CausalLM, target: CausalLM, source_cache, alignment, native, mask, target_ids
+):
+    """Sufficient statistics of one batch for `solve_linear_skip`, per "key" and "value": over the valid tokens except
+    each row's first (whose K/V are the target's own), the count `n`, sums `x` [W, ds], `r` [W, dt], `rr` [W] and
+    products `xx` [W, ds, ds], `xr` [W, ds, dt], where x are the translator's inputs (`window_inputs`) and r the
+    target's native K/V (`native`, its cache of the context `target_ids`; keys un-rotated for rotary specs) less the
+    mixture's output."""
+    spec = translator.spec
+    _, features = run_native_bottom(spec, target, target_ids, mask, target.init_cache(*target_ids.shape))
+    inputs = window_inputs(spec, source, target, source_cache, alignment, features)
+    _, target_freq = rotary_tables(spec, source, target)
+    wanted = (
+        window_block(native.k, spec.target_layers, positions_from_mask(mask), target_freq),
+        window_block(native.v, spec.target_layers),
+    )
+    weight = mask & (jnp.arange(mask.shape[1]) != first_valid_index(mask)[:, None])
+    w = weight[:, :, None, None].astype(jnp.float32)
+    sums = {}
+    for name, x, want in zip(("key", "value"), inputs, wanted):
+        x = x.astype(jnp.float32)
+        r = want.astype(jnp.float32) - getattr(translator, name)(x, mask)[0].astype(jnp.float32)
+        sums[name] = dict(
+            n=weight.sum(),
+            x=(x * w).sum((0, 1)),
+            r=(r * w).sum((0, 1)),
+            rr=(r * r * w).sum((0, 1, 3)),
+            xx=jnp.einsum("btwi,btwj->wij", x * w, x),
+            xr=jnp.einsum("btwi,btwo->wio", x * w, r),
+        )
+    return sums
+
+
+def solve_linear_skip(sums: dict, ridge: float = 1e-3):
+    """Least squares from summed statistics (`linear_skip_sums`, added over batches): per window layer the kernel and
+    bias minimising the mean squared residual, with a ridge of `ridge` x the mean input variance for stability.
+    Returns (kernel [W, ds, dt], bias [W, dt], residual MSE before, after), in float64."""
+    n = float(sums["n"])
+    mx, mr = np.asarray(sums["x"], np.float64) / n, np.asarray(sums["r"], np.float64) / n
+    cov = np.asarray(sums["xx"], np.float64) / n - mx[:, :, None] * mx[:, None, :]
+    cross = np.asarray(sums["xr"], np.float64) / n - mx[:, :, None] * mr[:, None, :]
+    eye = np.eye(cov.shape[-1])
+    reg = ridge * np.trace(cov, axis1=1, axis2=2)[:, None, None] / cov.shape[-1] * eye
+    kernel = np.linalg.solve(cov + reg, cross)
+    bias = mr - np.einsum("wi,wio->wo", mx, kernel)
+    before = np.asarray(sums["rr"], np.float64).sum() / n / mr.size  # mean of r^2 over tokens, layers, channels
+    # the fit removes the mean of r (bias) and the part of its variance that x explains
+    explained = 2 * np.einsum("wio,wio->", cross, kernel) - np.einsum("wio,wij,wjo->", kernel, cov, kernel)
+    after = before - (np.square(mr).sum() + explained) / mr.size
+    return kernel, bias, before, after

@@ -1,0 +1,127 @@
+"""The end-to-end pipeline from context text to a target cache: the source's side of a batch (`read_source`: the
+source re-encodes the text, its tokens are aligned onto the target's, it prefills them), the jitted translation
+(`translate_jit`), and `CacheTranslator`, the user-facing object that starts from text or a source cache.
+Evaluation shares `read_source` and `translate_jit`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mot_jax.errors import MotJaxError
+from mot_jax.jit import jit
+from mot_jax.models.base import CausalLM
+from mot_jax.models.cache import KVCache
+from mot_jax.translate import align as alignment_lib
+from mot_jax.translate.translator import KVTranslator, TranslationSpec, translate
+
+
+@jit(static_argnames=("topk",))
+def source_prefill(source, source_ids, source_mask, *, topk=0):
+    _, cache, indices = source.run_layers(source_ids, source_mask, topk=topk)
+    return cache, indices
+
+
+@jit(static_argnames=("capacity",))
+def translate_jit(
+    translator, source, target, source_cache, alignment, target_ids, target_mask, source_topk, *, capacity=None
+):
+    """`translate`, jitted: (the target cache, the aux outputs)."""
+    return translate(
+        translator, source, target, source_cache, alignment, target_ids, target_mask, source_topk, capacity
+    )
+
+
+def runs_source(spec: TranslationSpec) -> bool:
+    """Whether translating needs the source to read the context: for its K/V (`reads_source`) or, in sparse replay,
+    for its attention. The source-free control runs no source at all, so none of it can leak in."""
+    return spec.reads_source or bool(spec.attention_topk)
+
+
+@dataclasses.dataclass
+class SourceRead:
+    """The source's side of a batch of target contexts (`read_source`): what `translate` takes from the source."""
+
+    ids: np.ndarray  # [B, S] the source's tokens of the contexts' text, right-padded
+    mask: np.ndarray  # [B, S]
+    alignment: alignment_lib.Alignment  # the source tokens onto the target grid
+    cache: KVCache | None = None  # the source's prefill of `ids`; None when the translator runs no source
+    topk: jax.Array | None = None  # its attention's top-k key indices [Ls, B, S, k] for sparse replay, else None
+
+
+def read_source(
+    spec: TranslationSpec, source: CausalLM, source_tokenizer, target_tokenizer, target_ids, target_mask, bucket=None
+) -> SourceRead:
+    """The source's side of a batch of right-padded target contexts: the source re-encodes their text (as the target
+    tokenizer decodes it), its tokens are aligned onto the target's, and it prefills them (with its attention's top-k
+    keys for sparse replay) unless `runs_source(spec)` says the translator needs nothing of it. `bucket` pads the
+    source tokens to a multiple of it, so that jitted programs compile once per bucket rather than per batch."""
+    source_ids, source_mask, alignment = alignment_lib.align_batch(
+        target_tokenizer, source_tokenizer, np.asarray(target_ids), np.asarray(target_mask)
+    )
+    if not runs_source(spec):
+        return SourceRead(source_ids, source_mask, alignment)
+    longest = int(source_mask.sum(1).max())
+    if longest > source.config.max_positions:
+        raise MotJaxError(
+            f"A context re-encodes to {longest} source tokens, more than the source model's "
+            f"{source.config.max_positions}; shorten it (in evaluation: lower the context budget, --config.budgets)."
+        )
+    if bucket:
+        length = -(-source_ids.shape[1] // bucket) * bucket
+        source_ids, source_mask, alignment = alignment_lib.pad_source(source_ids, source_mask, alignment, length)
+    cache, topk = source_prefill(source, source_ids, source_mask, topk=spec.attention_topk)
+    return SourceRead(source_ids, source_mask, alignment, cache, topk)
+
+
+class CacheTranslator:
+    """Turns source text (or a source cache) into a target cache ready for the target's generation, for a batch.
+
+    ct = CacheTranslator(source, target, source_tokenizer, target_tokenizer, translator)
+    cache, ids, mask = ct.from_text(["passage one ...", "passage two ..."], capacity=T + suffix)
+    logits, cache = target(suffix_ids, suffix_mask, cache=cache)
+    """
+
+    def __init__(self, source, target, source_tokenizer, target_tokenizer, translator: KVTranslator):
+        self.source, self.target, self.translator = source, target, translator
+        self.source_tokenizer, self.target_tokenizer = source_tokenizer, target_tokenizer
+
+    def from_text(self, texts, capacity=None):
+        """(target cache, target ids [B, T], target mask [B, T]) for a batch of context texts."""
+        if not texts or any(not t.strip() for t in texts):
+            raise MotJaxError("Every context text must be non-empty; drop empty examples before translating.")
+        ids, mask = alignment_lib.encode_texts(self.target_tokenizer, texts)
+        return self.from_target_ids(ids, mask, capacity), ids, mask
+
+    def from_target_ids(self, target_ids, target_mask, capacity=None):
+        """The target cache of a padded batch of target-tokenized contexts (the source reads the same text)."""
+        read = read_source(
+            self.translator.spec, self.source, self.source_tokenizer, self.target_tokenizer, target_ids, target_mask
+        )
+        return self.from_source_cache(read.cache, read.alignment, target_ids, target_mask, read.topk, capacity)
+
+    def from_source_cache(self, source_cache, alignment, target_ids, target_mask, source_topk=None, capacity=None):
+        """The target cache of a padded batch of target contexts from the source's cache of the same text (None for
+        a translator that reads no source), its alignment onto the target tokens and, for sparse replay, its
+        attention's top-k keys."""
+        if source_cache is not None and source_cache.k.shape[1] != np.shape(target_ids)[0]:
+            raise MotJaxError(
+                f"The source cache holds {source_cache.k.shape[1]} sequences but {np.shape(target_ids)[0]} target "
+                "contexts were given; pass one target context per source sequence."
+            )
+        cache, _ = translate_jit(
+            self.translator,
+            self.source,
+            self.target,
+            source_cache,
+            alignment,
+            jnp.asarray(target_ids),
+            jnp.asarray(target_mask),
+            source_topk,
+            capacity=capacity,
+        )
+        return cache
