@@ -8,11 +8,13 @@ from flax import nnx
 from scipy.special import logsumexp
 from training_helpers import tiny_batch
 
+from mot_jax.jit import jit
 from mot_jax.training import objective
 from mot_jax.training.config import base
 from mot_jax.translate import channels
 from mot_jax.translate import translator as translator_lib
-from mot_jax.translate.translator import KVTranslator, TranslationSpec, mixture_config, translate
+from mot_jax.translate.pipeline import translate_jit
+from mot_jax.translate.translator import KVTranslator, TranslationSpec, mixture_config
 
 
 def test_kl_closed_form():
@@ -23,6 +25,15 @@ def test_kl_closed_form():
     np.testing.assert_allclose(got, expected / 2, rtol=1e-6)
     masked = objective.distillation_kl(student, teacher, jnp.asarray([[1.0, 0.0]]))
     np.testing.assert_allclose(masked, expected, rtol=1e-6)
+
+
+frozen_forwards = jit(objective.frozen_forwards, static_argnames=("topk",))
+# one program per weighting (run eagerly, each operation of the forwards compiles on its own)
+correction = jit(
+    lambda *a, distill: objective.context_correction(*a, objective.LossWeights(distill=distill)),
+    static_argnames=("distill",),
+)
+forward = jit(lambda model, ids, cache: model(ids, cache=cache))
 
 
 def direct_translator(source, target):
@@ -37,15 +48,13 @@ def test_kl_is_the_distance_to_the_native_next_token_distributions(random_pair):
     source, target, source_tok, target_tok = random_pair
     batch = tiny_batch(source_tok, target_tok)
     translator = direct_translator(source, target)
-    frozen = objective.frozen_forwards(source, target, batch, topk=0)
-    plain = objective.LossWeights()
-    distilled = objective.LossWeights(distill=0.5)
-    loss, metrics = objective.context_correction(translator, source, target, batch, frozen, plain)
-    with_kl, kl_metrics = objective.context_correction(translator, source, target, batch, frozen, distilled)
+    frozen = frozen_forwards(source, target, batch, topk=0)
+    loss, metrics = correction(translator, source, target, batch, frozen, distill=0.0)
+    with_kl, kl_metrics = correction(translator, source, target, batch, frozen, distill=0.5)
     assert "kl" not in metrics
 
     context_length = batch.context.shape[1]
-    cache, _ = translate(
+    cache, _ = translate_jit(
         translator,
         source,
         target,
@@ -53,10 +62,11 @@ def test_kl_is_the_distance_to_the_native_next_token_distributions(random_pair):
         batch.alignment,
         batch.context,
         batch.context_mask,
+        None,
         capacity=context_length + batch.prompt.shape[1],
     )
-    translated, _ = target(batch.prompt, cache=cache)
-    native = target(jnp.asarray(np.concatenate([batch.context, batch.prompt], 1)))[0][:, context_length:]
+    translated, _ = forward(target, batch.prompt, cache)
+    native = forward(target, jnp.asarray(np.concatenate([batch.context, batch.prompt], 1)), None)[0][:, context_length:]
     log_p, log_q = (
         x - logsumexp(x, axis=-1, keepdims=True)
         for x in (np.asarray(native, np.float64), np.asarray(translated, np.float64))
@@ -73,13 +83,14 @@ def test_kl_vanishes_for_the_native_translation(random_pair, monkeypatch):
     source, target, source_tok, target_tok = random_pair
     batch = tiny_batch(source_tok, target_tok)
     translator = direct_translator(source, target)
-    frozen = objective.frozen_forwards(source, target, batch, topk=0)
+    frozen = frozen_forwards(source, target, batch, topk=0)
     native = frozen[2]
     monkeypatch.setattr(
         translator_lib, "translate_window", lambda *a, **k: (native.k, native.v, {"key": {}, "value": {}})
     )
+    # a program of its own (traced with the patch), not one `correction` may have cached
     weights = objective.LossWeights(distill=1.0)
-    loss, metrics = objective.context_correction(translator, source, target, batch, frozen, weights)
+    loss, metrics = jit(lambda *a: objective.context_correction(*a, weights))(translator, source, target, batch, frozen)
     assert abs(float(metrics["kl"])) < 1e-6
     np.testing.assert_allclose(loss, metrics["ce"], rtol=1e-5)
 
