@@ -12,13 +12,12 @@ from mot_jax.errors import MotJaxError
 from mot_jax.models.base import prefill
 from mot_jax.translate import channels
 from mot_jax.translate.align import align_batch, identity_alignment
-from mot_jax.translate.pipeline import source_prefill
+from mot_jax.translate.pipeline import source_prefill, translate_jit
 from mot_jax.translate.translator import (
     KVTranslator,
     TranslationSpec,
     mixture_config,
     run_native_bottom,
-    translate,
     window_inputs,
 )
 
@@ -34,7 +33,9 @@ def run(translator, source, target, ids, mask, source_ids=None):
     source_ids = ids if source_ids is None else source_ids
     source_cache, _ = source_prefill(source, source_ids, mask)
     alignment = identity_alignment(*ids.shape, np.asarray(mask))
-    return translate(translator, source, target, source_cache, alignment, ids, mask, capacity=ids.shape[1] + 4)[0]
+    return translate_jit(
+        translator, source, target, source_cache, alignment, ids, mask, None, capacity=ids.shape[1] + 4
+    )[0]
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +149,7 @@ def test_the_source_free_method_runs_no_source_and_hands_nothing_over():
         pair.target_tokenizer, pair.source_tokenizer, contexts.ids, contexts.mask
     )
     source_cache, _ = source_prefill(pair.source, jnp.asarray(source_ids), jnp.asarray(source_mask))
-    want, _ = translate(
+    want, _ = translate_jit(
         translator,
         pair.source,
         pair.target,
@@ -156,6 +157,7 @@ def test_the_source_free_method_runs_no_source_and_hands_nothing_over():
         alignment,
         jnp.asarray(contexts.ids),
         jnp.asarray(contexts.mask),
+        None,
         capacity=contexts.length,
     )
     np.testing.assert_allclose(np.asarray(cache.k), np.asarray(want.k), atol=1e-6, rtol=0)

@@ -16,13 +16,12 @@ from mot_jax.models.layers import apply_rope
 from mot_jax.models.loading import load_model
 from mot_jax.translate import channels
 from mot_jax.translate.align import Alignment, identity_alignment
-from mot_jax.translate.pipeline import CacheTranslator, source_prefill
+from mot_jax.translate.pipeline import CacheTranslator, source_prefill, translate_jit
 from mot_jax.translate.translator import (
     KVTranslator,
     TranslationSpec,
     mixture_config,
     sparse_indices,
-    translate,
     window_block,
 )
 
@@ -48,7 +47,7 @@ def make_translator(source, target, mode="replay", channel_map=None, rotary=Fals
 def run(translator, source, target, ids, mask, alignment=None, **kw):
     source_cache, topk = source_prefill(source, ids, mask, topk=translator.spec.k_attn)
     alignment = alignment or identity_alignment(*ids.shape, np.asarray(mask))
-    return translate(translator, source, target, source_cache, alignment, ids, mask, topk, **kw)
+    return translate_jit(translator, source, target, source_cache, alignment, ids, mask, topk, **kw)
 
 
 def test_sparse_replay_with_every_key_equals_dense_replay(hf_pair):
