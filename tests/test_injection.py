@@ -6,6 +6,7 @@ import pytest
 import torch
 from hf_reference import CONFIGS, padded_batch, positions_for, save_tiny
 
+from mot_jax.jit import jit
 from mot_jax.models.base import Injection
 from mot_jax.models.layers import attention
 from mot_jax.models.loading import load_model
@@ -27,10 +28,16 @@ def pair(request, tmp_path_factory):
     return reference, load_model(str(path))[0]
 
 
+@jit(static_argnames=("topk",))
+def run_layers(model, ids, mask, injection=None, *, topk=0):
+    """`model.run_layers` as one program (run eagerly, every operation outside its layer scan compiles on its own)."""
+    return model.run_layers(ids, mask, injection=injection, topk=topk)
+
+
 def native(model):
     ids, mask = padded_batch(model.config.vocab_size)
     ids, mask = jnp.asarray(ids), jnp.asarray(mask)
-    _, cache, topk = model.run_layers(ids, mask, topk=3)
+    _, cache, topk = run_layers(model, ids, mask, topk=3)
     return ids, mask, cache, topk
 
 
@@ -45,7 +52,7 @@ def test_injecting_the_native_kv_reproduces_the_native_cache(pair):
     _, model = pair
     ids, mask, cache, _ = native(model)
     layers = list(range(1, model.config.num_layers))
-    _, replayed, _ = model.run_layers(ids, mask, injection=window_injection(cache, layers))
+    _, replayed, _ = run_layers(model, ids, mask, window_injection(cache, layers))
     np.testing.assert_allclose(np.asarray(replayed.k), np.asarray(cache.k), atol=1e-5, rtol=0)
     np.testing.assert_allclose(np.asarray(replayed.v), np.asarray(cache.v), atol=1e-5, rtol=0)
 
@@ -53,7 +60,7 @@ def test_injecting_the_native_kv_reproduces_the_native_cache(pair):
 def test_injection_changes_only_the_layers_above_the_window(pair):
     _, model = pair
     ids, mask, cache, _ = native(model)
-    _, replayed, _ = model.run_layers(ids, mask, injection=window_injection(cache, [1], scale=2.0))
+    _, replayed, _ = run_layers(model, ids, mask, window_injection(cache, [1], scale=2.0))
     # the window layer still caches its own K/V; the layers above read a changed residual stream
     np.testing.assert_allclose(np.asarray(replayed.k[:2]), np.asarray(cache.k[:2]), atol=1e-6, rtol=0)
     assert float(jnp.abs(replayed.k[2:] - cache.k[2:]).max()) > 1e-3
@@ -66,8 +73,8 @@ def test_sparse_replay_with_every_key_equals_dense_replay(pair):
     layers, batch, length = model.config.num_layers, *ids.shape
     every_key = jnp.broadcast_to(jnp.arange(length), (layers, batch, length, length))
     sparse = injection.replace(sparse_index=every_key, sparse=jnp.ones(layers, bool))
-    _, dense_cache, _ = model.run_layers(ids, mask, injection=injection)
-    _, sparse_cache, _ = model.run_layers(ids, mask, injection=sparse)
+    _, dense_cache, _ = run_layers(model, ids, mask, injection)
+    _, sparse_cache, _ = run_layers(model, ids, mask, sparse)
     np.testing.assert_allclose(np.asarray(sparse_cache.k), np.asarray(dense_cache.k), atol=1e-5, rtol=0)
 
 
