@@ -6,6 +6,10 @@ context, text relay) answer the same examples, with a shuffled-source control be
 translation made from another example's source cache; --config.shuffled_source=false leaves it out); the tables
 are printed and written to DIR/eval (or --out) as results.json, results.md, predictions.jsonl and plots. Keys and
 defaults: mot_jax/evals/config.py.
+
+The KVComm baseline (the source's raw K/V at calibrated layers, no translator; one model family and depth) is
+`--config.methods=native,kvcomm`; `--config.pair=SOURCE,TARGET` evaluates the baselines alone on a named pair, e.g.
+`--workdir=runs/kvcomm_smollm2 --config.pair=smollm2-135m,smollm2-135m --config.methods=no_context,native,kvcomm`.
 """
 
 from __future__ import annotations

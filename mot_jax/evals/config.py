@@ -15,7 +15,9 @@ def defaults() -> ml_collections.ConfigDict:
     c.seed = 0  # of the synthetic sets (invented entities: disjoint from any training text)
     c.batch_size = 4
     c.max_new_tokens = 32  # greedy; answers are cut at the first line break or prompt marker
-    c.methods = "no_context,native,text_relay"  # baselines run beside the trained translator(s)
+    c.methods = "no_context,native,text_relay"  # baselines run beside the trained translator(s); also: kvcomm
+    c.pair = ""  # "SOURCE,TARGET": evaluate the baselines on this pair, no trained translator ("" = the workdir's)
+    c.kvcomm = kvcomm_defaults()  # the kvcomm baseline's layer calibration (mot_jax/evals/kvcomm.py)
     c.relay_tokens = 96  # text_relay: most tokens of the source's summary
     c.budgets = "128,256,512,1024"  # long_context: target tokens of context kept (the passage may be cut away)
     c.long_distractors = 24  # long_context: invented passages around the one that answers
@@ -28,6 +30,24 @@ def defaults() -> ml_collections.ConfigDict:
     c.replay_attention = "trained"  # replay translators, once per entry: trained | dense | K (top-K keys per query)
     c.dtype = ""  # LLM dtype; "" = the training run's
     return c
+
+
+def kvcomm_defaults() -> ml_collections.ConfigDict:
+    """`--config.kvcomm.KEY=VALUE` of `python -m mot_jax.evaluate` (the reference's `train_kvcomm.json`)."""
+    return ml_collections.ConfigDict(
+        dict(
+            top_layers=0.5,  # fraction of the target's layers that get the source's whole context (layer 0 always)
+            alpha=1.0,  # weight of the attention score against the Gaussian prior over layer index
+            mu=0.5,  # the prior's centre, as a fraction of L - 1
+            sigma=5.0,  # the prior's width in layers
+            calib_size=32,  # calibration sequences
+            total_tokens=128,  # target tokens per calibration sequence
+            prefix_tokens=64,  # of which the prefix (keys) whose attention mass is measured
+            corpus="docs_prose",  # calibration text (mot_jax.training.corpus: docs_prose, a folder or file, tfds:...)
+            layers="",  # a comma list of target layers to send instead of calibrating ("" = calibrate)
+            seed=0,  # which corpus documents
+        )
+    )
 
 
 def parse_list(value, kind=str) -> list:

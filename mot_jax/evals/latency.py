@@ -59,6 +59,8 @@ def planned_bytes(models, method, contexts, suffix_ids, suffix_mask, settings: S
         programs.append(translate_jit.lower(*method.translation_args(models, contexts, read), capacity=capacity))
     elif isinstance(method, Native):
         programs.append(prefill.lower(models.target, contexts.ids, contexts.mask, capacity=capacity))
+    elif hasattr(method, "programs"):  # kvcomm
+        programs += method.programs(models, contexts, capacity)
     else:
         return None
     cache, _ = method.build(models, contexts, capacity, Stopwatch())

@@ -5,6 +5,7 @@ Methods (all on the same examples, in one run):
 - `native`: the target reads the passage as text (the upper bound);
 - `text_relay`: the source writes a summary of the passage, the target reads the summary (a raw-text relay is the
   `native` row: the target re-prefills the same text);
+- `kvcomm`: the source's raw K/V at calibrated layers, no translator (`mot_jax.evals.kvcomm`; one family and depth);
 - translated (one per training workdir): the source reads the passage and the translator builds the target cache;
 - `<translated>, shuffled source` (a control beside each translated method, `ShuffledSource`): the same translator
   builds this example's cache from another example's source cache, so the translation carries none of this
@@ -36,7 +37,7 @@ from mot_jax.models.base import generate, prefill
 from mot_jax.translate import align as alignment_lib
 from mot_jax.translate.pipeline import SourceRead, read_source, translate_jit
 
-BASELINES = ("no_context", "native", "text_relay")
+BASELINES = ("no_context", "native", "text_relay", "kvcomm")  # kvcomm: evals/kvcomm.py (one model family and depth)
 
 
 class Stopwatch:
@@ -61,8 +62,11 @@ def kv_bytes(model, tokens, layers=None) -> int:
 
 
 def held_bytes(model, cache) -> int:
-    """Bytes of the K/V a cache holds for its first row's valid tokens."""
-    return kv_bytes(model, int(np.asarray(cache.valid[0]).sum()))
+    """Bytes of the K/V a cache holds for its first row's valid tokens (per layer where it hides slots)."""
+    valid = np.asarray(cache.valid[0])
+    if cache.hidden is None:
+        return kv_bytes(model, int(valid.sum()))
+    return kv_bytes(model, int((valid & ~np.asarray(cache.hidden[:, 0])).sum()), layers=1)
 
 
 class Method:
@@ -71,6 +75,9 @@ class Method:
 
     name: str
     source_stage: str | None = None  # the stage that is the source's own prefill (excluded from TTFT)
+
+    def prepare(self, models) -> None:
+        """Once, after the models load and before any example (kvcomm checks the pair and calibrates here)."""
 
     def build(self, models, contexts: Contexts, capacity: int, watch: Stopwatch):
         raise NotImplementedError

@@ -114,7 +114,7 @@ def latency_table(rows: list[dict]) -> str:
 
 def markdown(results: dict) -> str:
     meta = results["meta"]
-    translators = ", ".join(f"{n} (step {m['step']}, {m['workdir']})" for n, m in meta["methods"].items())
+    translators = ", ".join(f"{n} (step {m['step']}, {m['workdir']})" for n, m in meta["methods"].items()) or "none"
     lines = [
         f"# Evaluation: {meta['source']} -> {meta['target']} ({meta['dtype']})",
         "",
@@ -128,6 +128,11 @@ def markdown(results: dict) -> str:
             "another example's source cache (a control; a translated method carries the context only where "
             "it beats it; no TTFT of its own)."
         )
+    for name, calibration in meta.get("kvcomm", {}).items():
+        lines[-1] += (
+            f" {name}: the source's raw K/V of the whole context at target layers "
+            f"{', '.join(map(str, calibration['sent']))}, of its first token at the others."
+        )
     for task, entry in results["tasks"].items():
         lines += ["", f"## {task} ({entry['examples']} examples)", ""]
         lines.append(budget_table(entry) if task == "long_context" else task_table(task, entry))
@@ -136,8 +141,8 @@ def markdown(results: dict) -> str:
         lines += [
             "Building the cache (source prefill excluded / included), reading the question and the first token; "
             "median of the timed runs. Handed over: the text for native context and relay, the source K/V the "
-            "translator reads for translated methods. Memory plan: XLA's plan of the largest program, weights "
-            "included (longest length only).",
+            "translator reads for translated methods, the K/V sent for KVComm. Memory plan: XLA's plan of the "
+            "largest program, weights included (longest length only).",
             "",
         ]
         lines.append(latency_table(results["latency"]))

@@ -24,6 +24,7 @@ from mot_jax import outputs
 from mot_jax.errors import MotJaxError
 from mot_jax.evals import datasets, report
 from mot_jax.evals.config import parse_list
+from mot_jax.evals.kvcomm import KVComm
 from mot_jax.evals.latency import latency, ttft_setup
 from mot_jax.evals.methods import BASELINES, Native, NoContext, ShuffledSource, TextRelay, Translated, method_name
 from mot_jax.evals.prompts import Settings, is_closed
@@ -96,12 +97,13 @@ def check_counts(config) -> None:
             raise MotJaxError(f"{key}={value!r}; pass a positive whole number (--config.{key}=N).")
 
 
-def baseline_methods(config) -> list:
+def baseline_methods(config, pair=("source", "target")) -> list:
     names = parse_list(config.methods)
     unknown = sorted(set(names) - set(BASELINES))
     if unknown:
         raise MotJaxError(f"Unknown method {unknown[0]!r} in methods; use some of {', '.join(BASELINES)}.")
     make = dict(no_context=NoContext, native=Native, text_relay=lambda: TextRelay(config.relay_tokens))
+    make["kvcomm"] = lambda: KVComm(config.kvcomm, config.data_dir or None, pair)
     return [make[name]() for name in BASELINES if name in names]
 
 
@@ -126,13 +128,25 @@ def evaluate(workdir, config: ml_collections.ConfigDict, compare=(), out=None) -
     check_counts(config)
     out = as_path(out or as_path(workdir) / "eval")
     outputs.check_replaceable(out)  # before minutes of evaluation
-    workdirs = [str(workdir), *map(str, compare)]
-    translated, train_config = trained_methods(workdirs, config.which, config.replay_attention)
-    methods = baseline_methods(config) + with_controls(translated, config.shuffled_source)
+    if config.pair:  # the baselines on a named pair, no trained translator
+        pair = parse_list(config.pair)
+        if len(pair) != 2 or compare:
+            raise MotJaxError(
+                f"pair={config.pair!r} evaluates the baselines on one SOURCE,TARGET pair without trained "
+                "translators; pass two model names and no --compare."
+            )
+        translated, train_config = [], ml_collections.ConfigDict(dict(source=pair[0], target=pair[1], dtype="float32"))
+    else:
+        workdirs = [str(workdir), *map(str, compare)]
+        translated, train_config = trained_methods(workdirs, config.which, config.replay_attention)
+    names = (train_config.source, train_config.target)
+    methods = baseline_methods(config, names) + with_controls(translated, config.shuffled_source)
     pair_config = ml_collections.ConfigDict(
         dict(source=train_config.source, target=train_config.target, dtype=config.dtype or train_config.dtype)
     )
     models = load_pair(pair_config)
+    for method in methods:
+        method.prepare(models)
     settings = Settings(config.batch_size, config.max_new_tokens)
     results = dict(tasks={}, routing={})
 
@@ -179,6 +193,7 @@ def evaluate(workdir, config: ml_collections.ConfigDict, compare=(), out=None) -
     results["meta"] = dict(
         workdir=str(workdir),
         methods={m.name: dict(workdir=m.workdir, step=m.step) for m in translated},
+        kvcomm={m.name: m.calibration.as_dict() for m in methods if isinstance(m, KVComm)},
         source=pair_config.source,
         target=pair_config.target,
         dtype=pair_config.dtype,

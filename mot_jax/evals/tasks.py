@@ -8,6 +8,7 @@ import dataclasses
 import numpy as np
 
 from mot_jax.evals import metrics
+from mot_jax.evals.kvcomm import KVComm
 from mot_jax.evals.latency import timed
 from mot_jax.evals.methods import ShuffledSource, Stopwatch, TextRelay, Translated, held_bytes, wants_donors
 from mot_jax.evals.prompts import (
@@ -178,7 +179,7 @@ def evaluate_agents(models, methods, documents, settings: Settings, progress=Non
     results = {name: dict(f1=float(np.mean(values)), agents=agents) for name, values in scores.items()}
     first = next(iter(batches(models, examples, dataclasses.replace(settings, batch_size=1), donors=donors)))
     for method in methods:
-        shared = isinstance(method, Translated | TextRelay | ShuffledSource)  # built once from the reader's work
+        shared = isinstance(method, Translated | TextRelay | ShuffledSource | KVComm)  # one reader's work
         copies = 1 if shared else agents
         once = own = None  # a control's seconds are its method's
         if not isinstance(method, ShuffledSource):

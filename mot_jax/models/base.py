@@ -108,6 +108,8 @@ class LayerCache:
     def __init__(self, k_all, v_all, layer, index, q_pos, cache: KVCache, injection=None, topk=0, fresh=False):
         self.k_all, self.v_all, self.layer, self.index = k_all, v_all, layer, index
         self.q_pos, self.k_pos, self.k_valid = q_pos, cache.positions, cache.valid
+        if cache.hidden is not None:  # slots this layer does not see (KVComm)
+            self.k_valid = self.k_valid & ~jax.lax.dynamic_index_in_dim(cache.hidden, layer, keepdims=False)
         self.injection, self.topk, self.topk_indices = injection, topk, None
         self.fresh = fresh  # the cache was empty before these tokens (index 0, known when tracing)
 
@@ -213,11 +215,14 @@ class CausalLM(nnx.Module):
         topk=0,
         fresh=False,
         stop=None,
+        view=LayerCache,
     ):
         """`hidden_states` with an optional `Injection`, and with `topk > 0` also each layer's top-k attended keys
         (head-averaged attention weights) as [L, B, T, topk] slot indices (else None). With `stop` only layers
         `0..stop-1` run (the cache's other layers stay as they were) and the hidden states are their output, the
-        residual stream before layer `stop`, not final-normed."""
+        residual stream before layer `stop`, not final-normed. `view` is the class of each layer's view of the
+        cache (a `LayerCache`); what it leaves in `topk_indices` is stacked over layers and returned (a subclass
+        may record another per-layer statistic there: KVComm's calibration records attention mass)."""
         batch, length = input_ids.shape
         mask = jnp.ones((batch, length), bool) if attention_mask is None else attention_mask.astype(bool)
         if cache is None:
@@ -237,7 +242,7 @@ class CausalLM(nnx.Module):
             layer_params, layer, layer_injection = xs
             if layer_injection is not None:
                 layer_injection = layer_injection.replace(k=injection.k, v=injection.v)
-            layer_cache = LayerCache(k_all, v_all, layer, cache.index, positions, cache, layer_injection, topk, fresh)
+            layer_cache = view(k_all, v_all, layer, cache.index, positions, cache, layer_injection, topk, fresh)
             x = nnx.merge(graphdef, layer_params)(x, positions, layer, layer_cache)
             return (x, layer_cache.k_all, layer_cache.v_all), layer_cache.topk_indices
 

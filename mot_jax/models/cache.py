@@ -13,7 +13,9 @@ class KVCache:
 
     Keys are stored as the attention uses them: after RoPE (and after q/k norm) where the family has those,
     exactly like a transformers cache. `positions` and `valid` describe each slot, so left or right padding and
-    sliding windows are masks, not special cases. Slots at `index` and beyond are free.
+    sliding windows are masks, not special cases. Slots at `index` and beyond are free. `hidden` (optional) hides
+    slots from single layers: layer l's attention skips slot s of row b where `hidden[l, b, s]` (KVComm hands over
+    some layers' K/V of a context and only its first token at the others).
     """
 
     k: jax.Array  # [L, B, K, S, d]
@@ -21,6 +23,7 @@ class KVCache:
     positions: jax.Array  # [B, S] int32, the token position held in each slot
     valid: jax.Array  # [B, S] bool, False for padding and free slots
     index: jax.Array  # int32 scalar, the next slot to write
+    hidden: jax.Array | None = None  # [L, B, S] bool, True where that layer does not see that slot
 
     AXES = ("layers", "batch", "kv_heads", "seq", "head_dim")
 
@@ -48,8 +51,13 @@ class KVCache:
         """The same cache with free slots added up to `capacity` (a prefill's cache, made room for more tokens)."""
         grow = capacity - self.capacity
         pad = lambda x, axis: jnp.pad(x, [(0, grow if a == axis else 0) for a in range(x.ndim)])
+        hidden = None if self.hidden is None else pad(self.hidden, 2)
         return self.replace(
-            k=pad(self.k, 3), v=pad(self.v, 3), positions=pad(self.positions, 1), valid=pad(self.valid, 1)
+            k=pad(self.k, 3),
+            v=pad(self.v, 3),
+            positions=pad(self.positions, 1),
+            valid=pad(self.valid, 1),
+            hidden=hidden,
         )
 
     def next_positions(self):
