@@ -13,11 +13,11 @@ from mot_jax.translate.translator import TranslationSpec
 
 SPECS = [
     TranslationSpec.build("replay", channels.terminal(4, 6, 0.5), 4, 6, k_attn=4, rotary=True),
-    TranslationSpec.build("direct", None, 4, 6, native_bottom=2, inputs=("source", "hidden")),
+    TranslationSpec.build("direct", None, 4, 6, native_bottom=2, inputs=("source", "hidden"), outputs="hidden"),
 ]
 CONFIGS = [TranslatorConfig(24, 16, 3, dim=32, heads=4), TranslatorConfig(8, 8, 4, kind="projector", linear_skip=True)]
 # the fields added after runs were saved (a saved dict without them is one of those runs)
-ADDED = {TranslationSpec: ("native_bottom", "inputs"), TranslatorConfig: ("kind", "linear_skip")}
+ADDED = {TranslationSpec: ("native_bottom", "inputs", "outputs"), TranslatorConfig: ("kind", "linear_skip")}
 
 
 def through_json(d: dict) -> dict:
@@ -45,6 +45,6 @@ def test_a_run_saved_before_the_added_spec_fields_still_resumes():
     current = {"spec": SPECS[0].to_dict()}
     old = {k: v for k, v in current["spec"].items() if k not in ADDED[TranslationSpec]}
     check_identity({"spec": old}, current, "DIR")  # no error
-    for changed in ({"native_bottom": 1}, {"inputs": ["source", "embeddings"]}):
+    for changed in ({"native_bottom": 1}, {"inputs": ["source", "embeddings"]}, {"outputs": "hidden"}):
         with pytest.raises(MotJaxError, match="differs in: spec"):
             check_identity({"spec": old}, {"spec": current["spec"] | changed}, "DIR")

@@ -38,7 +38,7 @@ class TorchTranslatorConfig:
     """The exported config.json: TranslatorConfig and TranslationSpec fields and the two models' cache shapes.
 
     Mirrors the JAX fields and their defaults (tests/test_export_torch.py checks that they agree), less
-    `native_bottom` and `inputs`, which the export accepts only at their defaults (0 and source alone).
+    `native_bottom`, `inputs` and `outputs`, which the export accepts only at their defaults (0, source alone, kv).
     """
 
     source_width: int  # source kv_heads * head_dim

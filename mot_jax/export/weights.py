@@ -51,10 +51,11 @@ def translator_tensors(translator, source=None, target=None) -> dict[str, np.nda
 def translator_config(translator, source, target) -> dict:
     """JSON-serialisable: the TranslatorConfig and TranslationSpec fields and the two models' cache shapes."""
     spec = translator.spec.to_dict()
-    if spec.pop("native_bottom") or tuple(spec.pop("inputs")) != ("source",) or translator.cfg.kind == "linear":
+    reads_target = spec.pop("native_bottom") or tuple(spec.pop("inputs")) != ("source",)
+    if reads_target or spec.pop("outputs") != "kv" or translator.cfg.kind == "linear":
         raise MotJaxError(
-            "The PyTorch export covers mixtures and projectors that read the source alone (native_bottom=0, "
-            "inputs='source'); evaluate this translator in JAX."
+            "The PyTorch export covers mixtures and projectors that read the source alone and write K/V "
+            "(native_bottom=0, inputs='source', outputs='kv'); evaluate this translator in JAX."
         )
     out = {"format": FORMAT, "format_version": 1}
     out |= translator.cfg.to_dict() | spec

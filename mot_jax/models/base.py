@@ -215,14 +215,16 @@ class CausalLM(nnx.Module):
         topk=0,
         fresh=False,
         stop=None,
+        layer_inputs=False,
         view=LayerCache,
     ):
         """`hidden_states` with an optional `Injection`, and with `topk > 0` also each layer's top-k attended keys
         (head-averaged attention weights) as [L, B, T, topk] slot indices (else None). With `stop` only layers
         `0..stop-1` run (the cache's other layers stay as they were) and the hidden states are their output, the
-        residual stream before layer `stop`, not final-normed. `view` is the class of each layer's view of the
-        cache (a `LayerCache`); what it leaves in `topk_indices` is stacked over layers and returned (a subclass
-        may record another per-layer statistic there: KVComm's calibration records attention mass)."""
+        residual stream before layer `stop`, not final-normed. `layer_inputs=True` returns a fourth value: every
+        layer's input residual stream [L, B, T, D]. `view` is the class of each layer's view of the cache (a
+        `LayerCache`); what it leaves in `topk_indices` is stacked over layers and returned (a subclass may record
+        another per-layer statistic there: KVComm's calibration records attention mass)."""
         batch, length = input_ids.shape
         mask = jnp.ones((batch, length), bool) if attention_mask is None else attention_mask.astype(bool)
         if cache is None:
@@ -243,18 +245,33 @@ class CausalLM(nnx.Module):
             if layer_injection is not None:
                 layer_injection = layer_injection.replace(k=injection.k, v=injection.v)
             layer_cache = view(k_all, v_all, layer, cache.index, positions, cache, layer_injection, topk, fresh)
+            inputs = x if layer_inputs else None
             x = nnx.merge(graphdef, layer_params)(x, positions, layer, layer_cache)
-            return (x, layer_cache.k_all, layer_cache.v_all), layer_cache.topk_indices
+            return (x, layer_cache.k_all, layer_cache.v_all), (layer_cache.topk_indices, inputs)
 
         xs = (stacked, jnp.arange(self.config.num_layers), per_layer)
         if stop is not None:
             xs = jax.tree.map(lambda a: a[:stop], xs)
-        (x, k, v), topk_indices = jax.lax.scan(body, (x, cache.k, cache.v), xs)
+        (x, k, v), (topk_indices, inputs) = jax.lax.scan(body, (x, cache.k, cache.v), xs)
         cache = cache.replace(k=k, v=v, index=cache.index + length)
-        return (x if stop is not None else self.final_norm(x)), cache, topk_indices
+        out = (x if stop is not None else self.final_norm(x)), cache, topk_indices
+        return (*out, inputs) if layer_inputs else out
 
     def final_norm(self, x):
         return x
+
+    def window_key_values(self, layers, x_k, x_v, positions):
+        """K and V [B, T, W, K, d] of the W `layers` (keys as cached: normed and rotated by the layer itself) from
+        residual-stream inputs x_k and x_v [B, T, W, D], each as its layer's own forward computes them."""
+        graphdef, stacked = nnx.split(self.layers)
+        picked = jnp.asarray(layers)
+
+        def one(params, layer, x_k, x_v):
+            block = nnx.merge(graphdef, params)
+            return block.key_value(x_k, positions, layer)[0], block.key_value(x_v, positions, layer)[1]
+
+        chosen = jax.tree.map(lambda a: a[picked], stacked)
+        return jax.vmap(one, in_axes=(0, 0, 2, 2), out_axes=2)(chosen, picked, x_k, x_v)
 
 
 def positions_from_mask(mask):

@@ -120,17 +120,26 @@ class Block(nnx.Module):
             self.post_feedforward_layernorm = norm()
         self.mlp = MLP(cfg, rngs=rngs, dtype=dtype)
 
-    def __call__(self, x, positions, layer, cache):
+    def key_value(self, x, positions, layer):
+        """This layer's K (normed, rotated: as cached) and V [B, T, K, d] of its input residual stream x."""
         cfg, attn = self.cfg, self.self_attn
         b, t, _ = x.shape
         h = self.input_layernorm(x)
-        q = attn.q_proj(h).reshape(b, t, cfg.num_heads, cfg.head_dim)
         k = attn.k_proj(h).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
         v = attn.v_proj(h).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
-            q, k = attn.q_norm(q), attn.k_norm(k)
+            k = attn.k_norm(k)
+        return apply_rope(k, positions, rope_table(cfg)[layer]), v
+
+    def __call__(self, x, positions, layer, cache):
+        cfg, attn = self.cfg, self.self_attn
+        b, t, _ = x.shape
+        q = attn.q_proj(self.input_layernorm(x)).reshape(b, t, cfg.num_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q = attn.q_norm(q)
         window, inv_freq = jnp.asarray(cfg.windows)[layer], rope_table(cfg)[layer]
-        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        q = apply_rope(q, positions, inv_freq)
+        k, v = self.key_value(x, positions, layer)
         scale = cfg.query_scale or cfg.head_dim**-0.5
         out = attn.o_proj(cache.attend(q, k, v, scale=scale, window=window, softcap=cfg.attn_softcap))
         if not cfg.sandwich_norms:

@@ -56,15 +56,23 @@ class Block(nnx.Module):
         self.ln_2 = LayerNorm(cfg.hidden_size, cfg.norm_eps, rngs=rngs, dtype=dtype, lead=lead)
         self.mlp = MLP(cfg, rngs=rngs, dtype=dtype)
 
+    def key_value(self, x, positions, layer):
+        """This layer's K and V [B, T, H, d] of its input residual stream x."""
+        _, k, v = self.qkv(x)
+        return k, v
+
+    def qkv(self, x):
+        b, t, _ = x.shape
+        heads = lambda y: y.reshape(b, t, self.cfg.num_heads, self.cfg.head_dim)
+        return tuple(heads(y) for y in jnp.split(self.attn.c_attn(self.ln_1(x)), 3, axis=-1))
+
     def __call__(self, x, positions, layer, cache):
         cfg = self.cfg
-        b, t, _ = x.shape
-        heads = lambda y: y.reshape(b, t, cfg.num_heads, cfg.head_dim)
-        q, k, v = jnp.split(self.attn.c_attn(self.ln_1(x)), 3, axis=-1)
+        q, k, v = self.qkv(x)
         scale = cfg.query_scale or cfg.head_dim**-0.5
         if cfg.scale_attn_by_inverse_layer_idx:
             scale = scale / (layer + 1).astype(jnp.float32)
-        x = x + self.attn.c_proj(cache.attend(heads(q), heads(k), heads(v), scale=scale))
+        x = x + self.attn.c_proj(cache.attend(q, k, v, scale=scale))
         return x + self.mlp.c_proj(activation(cfg.activation)(self.mlp.c_fc(self.ln_2(x))))
 
 

@@ -59,12 +59,18 @@ class Block(nnx.Module):
         self.fc2 = Linear(F, D, ("mlp", "embed"), rngs=rngs, dtype=dtype, lead=lead, bias=b)
         self.final_layer_norm = LayerNorm(D, cfg.norm_eps, rngs=rngs, dtype=dtype, lead=lead)
 
+    def attention_input(self, x):
+        return self.self_attn_layer_norm(x) if self.cfg.pre_norm else x
+
+    def key_value(self, x, positions, layer):
+        """This layer's K and V [B, T, H, d] of its input residual stream x."""
+        h, heads = self.attention_input(x), lambda y: y.reshape(*x.shape[:2], self.cfg.num_heads, self.cfg.head_dim)
+        return heads(self.self_attn.k_proj(h)), heads(self.self_attn.v_proj(h))
+
     def __call__(self, x, positions, layer, cache):
         cfg, attn = self.cfg, self.self_attn
-        b, t, _ = x.shape
-        heads = lambda y: y.reshape(b, t, cfg.num_heads, cfg.head_dim)
-        h = self.self_attn_layer_norm(x) if cfg.pre_norm else x
-        q, k, v = heads(attn.q_proj(h)), heads(attn.k_proj(h)), heads(attn.v_proj(h))
+        q = attn.q_proj(self.attention_input(x)).reshape(*x.shape[:2], cfg.num_heads, cfg.head_dim)
+        k, v = self.key_value(x, positions, layer)
         x = x + attn.out_proj(cache.attend(q, k, v, scale=cfg.head_dim**-0.5))
         if not cfg.pre_norm:
             x = self.self_attn_layer_norm(x)

@@ -64,6 +64,9 @@ def base() -> ml_collections.ConfigDict:
     # target's own token embeddings), hidden (its residual stream after the native bottom layers); no source: the
     # source-free control
     c.translator.inputs = "source"
+    # what it writes per layer: kv (the K/V, paper) | hidden (ours: layer inputs that the target's own frozen norm,
+    # K/V projections, k-norm and RoPE turn into its K/V)
+    c.translator.outputs = "kv"
     c.translator.skip_fit_batches = 8
     c.translator.sparse_attention = True  # replay: top-k attention from the source's attention (paper)
     c.translator.k_attn = 32

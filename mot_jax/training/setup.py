@@ -110,6 +110,7 @@ def translation(config, channel_map, pair: Pair, **overrides) -> tuple[Translati
         num_target_layers,
         native_bottom=t.native_bottom,
         inputs=tuple(i.strip() for i in t.inputs.split(",") if i.strip()),
+        outputs=t.outputs,
         sparse_attention=t.sparse_attention,
         k_attn=t.k_attn,
         dense_bottom=t.dense_bottom,

@@ -12,7 +12,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from mot_jax.models.base import CausalLM, first_valid_index, positions_from_mask
-from mot_jax.translate.translator import KVTranslator, rotary_tables, run_native_bottom, window_block, window_inputs
+from mot_jax.translate.translator import (
+    KVTranslator,
+    rms_normalized,
+    rotary_tables,
+    run_native_bottom,
+    window_block,
+    window_inputs,
+)
 
 
 def linear_skip_sums(
@@ -21,16 +28,21 @@ def linear_skip_sums(
     """Sufficient statistics of one batch for `solve_linear_skip`, per "key" and "value": over the valid tokens except
     each row's first (whose K/V are the target's own), the count `n`, sums `x` [W, ds], `r` [W, dt], `rr` [W] and
     products `xx` [W, ds, ds], `xr` [W, ds, dt], where x are the translator's inputs (`window_inputs`) and r the
-    target's native K/V (`native`, its cache of the context `target_ids`; keys un-rotated for rotary specs) less the
-    mixture's output."""
+    target's native K/V (`native`, its cache of the context `target_ids`; keys un-rotated for rotary specs), or for
+    `outputs="hidden"` the window layers' RMS-normalised native inputs, less the mixture's output."""
     spec = translator.spec
     _, features = run_native_bottom(spec, target, target_ids, mask, target.init_cache(*target_ids.shape))
     inputs = window_inputs(spec, source, target, source_cache, alignment, features)
-    _, target_freq = rotary_tables(spec, source, target)
-    wanted = (
-        window_block(native.k, spec.target_layers, positions_from_mask(mask), target_freq),
-        window_block(native.v, spec.target_layers),
-    )
+    if spec.outputs == "hidden":  # the window layers' native inputs, RMS-normalised (their norms ignore the scale)
+        inputs_ = target.run_layers(target_ids, mask, stop=max(spec.target_layers) + 1, layer_inputs=True)[3]
+        layer_input = rms_normalized(inputs_[jnp.asarray(spec.target_layers)].transpose(1, 2, 0, 3))
+        wanted = (layer_input, layer_input)
+    else:
+        _, target_freq = rotary_tables(spec, source, target)
+        wanted = (
+            window_block(native.k, spec.target_layers, positions_from_mask(mask), target_freq),
+            window_block(native.v, spec.target_layers),
+        )
     weight = mask & (jnp.arange(mask.shape[1]) != first_valid_index(mask)[:, None])
     w = weight[:, :, None, None].astype(jnp.float32)
     sums = {}

@@ -14,6 +14,11 @@ at the cost of a lookup) and, for `B>0`, its residual stream before layer `B` (`
 are RMS-normalised per token and shared by every window layer. Without `source` the translator is the source-free
 control: the target's own bottom layers and embeddings alone predict its upper K/V.
 
+What it writes per token and window layer (`outputs`): K and V (the paper), or ours (`hidden`) two residual-stream
+vectors, the layer's inputs for its keys and for its values, which the target's own frozen norm, K/V projections,
+k-norm and RoPE turn into K/V (as SwiftKV computes upper K/V from a hidden state), so keys land in the target's
+geometry.
+
 Two rules for a context's first token, in both modes (not in the reference): its K/V are the target's own, computed
 from that token alone (it attends only to itself, so nothing needs translating; for Gemma it is the BOS, the
 attention sink every later token reads), and sparse attention always lets a query see it (README and RESULTS.md
@@ -46,6 +51,7 @@ from mot_jax.translate.projector import Projector
 
 MODES = ("replay", "direct")
 INPUTS = ("source", "embeddings", "hidden")  # what the translator may read per token (TranslationSpec.inputs)
+OUTPUTS = ("kv", "hidden")  # what it writes per token and layer (TranslationSpec.outputs)
 
 
 class NoMixture(nnx.Module):
@@ -77,6 +83,7 @@ class TranslationSpec:
     rotary: bool = False  # un-rotate source keys, translate, re-rotate at target positions
     native_bottom: int = 0  # direct: the target's own layers below this run over the context (their K/V native)
     inputs: tuple = ("source",)  # per token, a subset of INPUTS
+    outputs: str = "kv"  # K/V (paper), or layer inputs that the target's own K/V projections turn into K/V (ours)
 
     @property
     def reads_source(self) -> bool:
@@ -101,14 +108,24 @@ class TranslationSpec:
     def with_added_fields(saved: dict) -> dict:
         """A saved dict (JSON form) plus the fields added after runs were saved, at the value those runs had, so
         that they still resume and load (fixed here: a later change of a default must not change an old run)."""
-        return dict(native_bottom=0, inputs=["source"]) | saved
+        return dict(native_bottom=0, inputs=["source"], outputs="kv") | saved
 
     @classmethod
     def build(
-        cls, mode, channel_map, num_source_layers, num_target_layers, native_bottom=0, inputs=("source",), **kwargs
+        cls,
+        mode,
+        channel_map,
+        num_source_layers,
+        num_target_layers,
+        native_bottom=0,
+        inputs=("source",),
+        outputs="kv",
+        **kwargs,
     ):
         if mode not in MODES:
             raise MotJaxError(f"Unknown translation mode {mode!r}; use one of {', '.join(MODES)}.")
+        if outputs not in OUTPUTS:
+            raise MotJaxError(f"Unknown translator outputs {outputs!r}; use one of {', '.join(OUTPUTS)}.")
         inputs = tuple(inputs)
         if not inputs or any(i not in INPUTS for i in inputs) or len(set(inputs)) < len(inputs):
             raise MotJaxError(f"Bad translator inputs {inputs!r}; pass a comma list of {', '.join(INPUTS)}.")
@@ -124,7 +141,7 @@ class TranslationSpec:
                 "The 'hidden' input is the target's residual stream after its native bottom layers; "
                 "set native_bottom > 0 or drop it."
             )
-        kwargs |= dict(native_bottom=int(native_bottom), inputs=inputs)
+        kwargs |= dict(native_bottom=int(native_bottom), inputs=inputs, outputs=outputs)
         if mode == "direct":
             layer_map = tuple(int(s) for s in channels.full_depth(num_source_layers, num_target_layers))
             source = layer_map[native_bottom:]
@@ -141,7 +158,7 @@ def mixture_config(spec: TranslationSpec, source: CausalLM, target: CausalLM, **
     target_features = sum(i != "source" for i in spec.inputs) * t.hidden_size
     return TranslatorConfig(
         source_width=s.num_kv_heads * s.head_dim * spec.reads_source + target_features,
-        target_width=t.num_kv_heads * t.head_dim,
+        target_width=t.hidden_size if spec.outputs == "hidden" else t.num_kv_heads * t.head_dim,
         window=len(spec.target_layers),
         **kwargs,
     )
@@ -265,14 +282,21 @@ def translate_window(
     """The translated window K/V, each [W, B, Kt, T, dt], and the mixtures' aux outputs {"key": .., "value": ..}."""
     spec, t = translator.spec, target.config
     k, v, aux = translator(*window_inputs(spec, source, target, source_cache, alignment, features), mask)
+    pos = positions_from_mask(mask)
+    if spec.outputs == "hidden":  # layer inputs: the target's own projections, k-norm and RoPE make the K/V
+        k, v = target.window_key_values(spec.target_layers, k, v, pos)  # [B, T, W, Kt, dt]
+        return to_cache(k, target), to_cache(v, target), aux
     heads = lambda y: y.reshape(*y.shape[:3], t.num_kv_heads, t.head_dim)
     k, v = heads(k), heads(v)  # [B, T, W, Kt, dt]
     _, target_freq = rotary_tables(spec, source, target)
     if target_freq is not None:
-        pos = positions_from_mask(mask)
         k = jnp.stack([apply_rope(k[:, :, i], pos, target_freq[li]) for i, li in enumerate(spec.target_layers)], 2)
-    to_cache = lambda y: y.transpose(2, 0, 3, 1, 4).astype(target.param_dtype)
-    return to_cache(k), to_cache(v), aux
+    return to_cache(k, target), to_cache(v, target), aux
+
+
+def to_cache(y, target: CausalLM):
+    """[B, T, W, K, d] -> the cache layout [W, B, K, T, d] in the target's dtype."""
+    return y.transpose(2, 0, 3, 1, 4).astype(target.param_dtype)
 
 
 def sparse_indices(spec: TranslationSpec, source_topk, alignment, first):
