@@ -105,6 +105,20 @@ def test_every_layer_sent_from_the_target_itself_is_one_full_forward(hf_llama):
     np.testing.assert_array_equal(handed, [2 * LAYERS * n * c.num_kv_heads * c.head_dim * 4 for n in (9, 6)])
 
 
+def test_every_layer_sent_on_gemma3_keeps_its_sliding_windows_and_one_layer_not_sent_changes_the_answer():
+    # random:gemma3: sliding window 32 on every other layer, a context longer than it; sender = receiver
+    model = load_tiny("random:gemma3")[0]
+    rng = np.random.default_rng(5)
+    rows, suffix = [rng.integers(3, 448, 40).tolist()], rng.integers(3, 448, (1, 3))
+    ids, mask = jnp.asarray(suffix, jnp.int32), jnp.ones((1, 3), bool)
+    want = np.asarray(full_logits(model, jnp.asarray([rows[0] + suffix[0].tolist()], jnp.int32)))[0, 40:]
+    layers = model.config.num_layers
+    for sent, same in ((range(layers), True), ([i for i in range(layers) if i != 3], False)):
+        cache, _ = kvcomm_with(sent, layers).build(Pair(model, model), contexts_of(rows, 40), 43, Stopwatch())
+        got = np.asarray(suffix_logits(model, cache, ids, mask))[0]
+        assert np.allclose(got, want, atol=1e-5) == same
+
+
 def test_layers_not_sent_read_only_the_first_token_as_the_reference_builds_it(hf_llama):
     # the reference's construction in transformers: the source's cache with layers 1 and 3 cut to their first token
     # (layer 0 is always sent; layer 2 is the calibration's), then the target decodes the suffix token by token
