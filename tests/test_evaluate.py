@@ -346,17 +346,20 @@ def test_shuffled_source_row_is_the_translation_of_another_examples_source(pair)
     examples = synthetic.examples("extractive_qa", 3, seed=8)
     settings = Settings(batch_size=2, budget=120)  # the last batch holds one row: its donor is example 0
     translate = CacheTranslator(pair.source, pair.target, pair.source_tokenizer, pair.target_tokenizer, translator)
+    # every example's donor translated in one CacheTranslator batch (row i: example i's donor), one program for all
+    # (one call per donor compiled the source's prefill and the translation again for each one's source length)
+    donors = [examples[(i + 1) % len(examples)] for i in range(len(examples))]
+    ids = np.array([token_ids(pair.target_tokenizer, [prefix_text(d, False)], True)[0][:120] for d in donors])
+    own = translate.from_target_ids(ids, np.ones((len(donors), 120), bool))
     checked = 0
     for contexts, _, _ in batches(pair, examples, settings, donors=True):
         assert (contexts.mask.sum(1) == 120).all()
         shuffled, _ = ShuffledSource(method).build(pair, contexts, contexts.length, Stopwatch())
         normal, _ = method.build(pair, contexts, contexts.length, Stopwatch())
         for b, example in enumerate(contexts.examples):
-            donor = examples[(examples.index(example) + 1) % len(examples)]
-            ids = token_ids(pair.target_tokenizer, [prefix_text(donor, False)], True)[0][:120]
-            own = translate.from_target_ids(np.array([ids]), np.ones((1, 120), bool))
-            np.testing.assert_allclose(shuffled.k[:, b, :, :120], own.k[:, 0], atol=1e-5)
-            np.testing.assert_allclose(shuffled.v[:, b, :, :120], own.v[:, 0], atol=1e-5)
+            i = examples.index(example)
+            np.testing.assert_allclose(shuffled.k[:, b, :, :120], own.k[:, i], atol=1e-5)
+            np.testing.assert_allclose(shuffled.v[:, b, :, :120], own.v[:, i], atol=1e-5)
             assert not np.allclose(shuffled.v[:, b, :, 60:120], normal.v[:, b, :, 60:120], atol=1e-3)
             checked += 1
     assert checked == 3
