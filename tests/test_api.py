@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 from mot_jax.errors import MotJaxError
+from mot_jax.jit import jit
 from mot_jax.models import tiny
 from mot_jax.models.base import decode_step, generate, generate_from_cache
 from mot_jax.models.loading import load_model
@@ -35,10 +36,16 @@ def readme_lines(workdir) -> dict:
     return names
 
 
+@jit
+def forward(model, ids, cache):
+    """A forward over `ids` after `cache` as one program (run eagerly, each of its operations compiles on its own)."""
+    return model(ids, cache=cache)
+
+
 def greedy_reference(target, cache, question):
     """Greedy tokens of the target reading `question` [1, Q] after `cache`, one forward per token, up to the first
     end-of-sequence token."""
-    logits, cache = target(question, cache=cache)
+    logits, cache = forward(target, question, cache)
     tokens = [int(jnp.argmax(logits[0, -1]))]
     while len(tokens) < NEW_TOKENS and tokens[-1] not in target.config.eos_ids:
         logits, cache = decode_step(target, jnp.asarray([tokens[-1]], jnp.int32), cache)
@@ -90,7 +97,7 @@ def test_generating_from_a_cache_without_room_is_refused():
     target, _, _ = tiny.load("random:gemma3")
     context = jnp.ones((1, 6), jnp.int32)
     question = jnp.ones((1, 3), jnp.int32)
-    _, cache = target(context, cache=target.init_cache(1, 6 + 3 + 4))
+    _, cache = forward(target, context, target.init_cache(1, 6 + 3 + 4))
     assert generate_from_cache(target, cache, question, max_new_tokens=4).shape == (1, 4)
     with pytest.raises(MotJaxError, match="has 13 slots but .* need 14; build it with capacity >= 14"):
         generate_from_cache(target, cache, question, max_new_tokens=5)
