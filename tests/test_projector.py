@@ -16,6 +16,7 @@ from training_helpers import tiny_batch
 from mot_jax.errors import MotJaxError
 from mot_jax.export import torch_translator
 from mot_jax.export.__main__ import export_workdir
+from mot_jax.jit import jit
 from mot_jax.training import loop
 from mot_jax.training.setup import check_identity, make_mesh
 from mot_jax.training.trained import load_trained
@@ -24,6 +25,12 @@ from mot_jax.translate import channels
 from mot_jax.translate.expert import TranslatorConfig
 from mot_jax.translate.projector import Projector
 from mot_jax.translate.translator import KVTranslator, TranslationSpec
+
+
+@jit
+def forward(module, x, mask):
+    """A projector's forward as one program (run eagerly, each of its operations compiles on its own)."""
+    return module(x, mask)
 
 
 def numpy_projector(params, x, activation):
@@ -48,7 +55,7 @@ def test_projector_equals_a_per_layer_mlp_in_numpy(dim, activation):
     perturb(projector, seed=1)
     assert projector.hidden.kernel.shape == (3, 12, max(dim, 24))  # the reference's max(projector_dim, d_t)
     x = 1.5 * np.asarray(jax.random.normal(jax.random.key(2), (2, 7, 3, 12)))
-    y, aux = projector(jnp.asarray(x), jnp.ones((2, 7), bool))
+    y, aux = forward(projector, jnp.asarray(x), jnp.ones((2, 7), bool))
     assert aux == {}  # no router: no load-balancing or z-loss, no routing statistics
     expected = numpy_projector(nnx.to_pure_dict(nnx.state(projector, nnx.Param)), x, activation)
     np.testing.assert_allclose(y, expected, atol=1e-5, rtol=1e-5)
@@ -93,7 +100,7 @@ def test_workdir_round_trip_export_and_resume_with_another_kind(tmp_path):
     cfg = trained.translator.cfg
     x = np.asarray(jax.random.normal(jax.random.key(3), (2, 5, cfg.window, cfg.source_width)))
     for name in ("key", "value"):
-        y, _ = getattr(trained.translator, name)(jnp.asarray(x))
+        y, _ = forward(getattr(trained.translator, name), jnp.asarray(x), None)
         with torch.no_grad():
             y_torch = getattr(exported, name)(torch.tensor(x)).numpy()
         np.testing.assert_allclose(y, y_torch, atol=1e-4, rtol=0)
