@@ -17,7 +17,14 @@ from mot_jax.models.loading import load_model
 from mot_jax.training import objective
 from mot_jax.translate.linear_skip import linear_skip_sums, solve_linear_skip
 from mot_jax.translate.pipeline import source_prefill, translate_jit
-from mot_jax.translate.translator import KVTranslator, TranslationSpec, mixture_config, rms_normalized
+from mot_jax.translate.translator import (
+    KVTranslator,
+    TranslationSpec,
+    mixture_config,
+    rms_normalized,
+    run_native_bottom,
+    window_inputs,
+)
 
 FAMILIES = [  # one variant each, the quirks of K: GQA, q/k norms, sliding local RoPE, llama3 RoPE, biases, post-LN
     ("llama", "llama3_rope"),
@@ -107,8 +114,6 @@ def test_the_least_squares_start_fits_the_normalised_native_layer_inputs(random_
     sums = jit(linear_skip_sums)(translator, source, target, frozen[0], batch.alignment, frozen[2], mask, context)
     kernel, bias, before, after = solve_linear_skip(sums["value"], ridge=0.0)
     assert after < before
-
-    from mot_jax.translate.translator import run_native_bottom, window_inputs
 
     _, features = run_native_bottom(translator.spec, target, context, mask, target.init_cache(*context.shape))
     x = np.asarray(window_inputs(translator.spec, source, target, frozen[0], batch.alignment, features)[1])

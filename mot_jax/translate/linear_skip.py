@@ -34,8 +34,8 @@ def linear_skip_sums(
     _, features = run_native_bottom(spec, target, target_ids, mask, target.init_cache(*target_ids.shape))
     inputs = window_inputs(spec, source, target, source_cache, alignment, features)
     if spec.outputs == "hidden":  # the window layers' native inputs, RMS-normalised (their norms ignore the scale)
-        inputs_ = target.run_layers(target_ids, mask, stop=max(spec.target_layers) + 1, layer_inputs=True)[3]
-        layer_input = rms_normalized(inputs_[jnp.asarray(spec.target_layers)].transpose(1, 2, 0, 3))
+        every = target.run_layers(target_ids, mask, stop=max(spec.target_layers) + 1, layer_inputs=True)[3]
+        layer_input = rms_normalized(every[jnp.asarray(spec.target_layers)].transpose(1, 2, 0, 3))
         wanted = (layer_input, layer_input)
     else:
         _, target_freq = rotary_tables(spec, source, target)
