@@ -1,12 +1,14 @@
 """Shared layers against closed forms and transformers' own helpers."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
+from flax import nnx
 from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from mot_jax.models.layers import attention, rope_inv_freq
+from mot_jax.models.layers import attention, param, rope_inv_freq
 
 
 def naive_attention(q, k, v, q_pos, k_pos, k_valid, scale, window, softcap):
@@ -66,3 +68,20 @@ def test_llama3_and_linear_rope_frequencies_match_transformers():
     np.testing.assert_allclose(np.asarray(rope_inv_freq(128, 500000.0, scaling)), want.numpy(), rtol=1e-6)
     base = rope_inv_freq(128, 1e4)
     np.testing.assert_allclose(np.asarray(rope_inv_freq(128, 1e4, dict(rope_type="linear", factor=4.0))), base / 4)
+
+
+def test_param_init_equals_jax_random_normal_eagerly_and_under_eval_shape():
+    """The eager init reads a power-of-two draw as numpy (one compile per size class): the same values as
+    `std * jax.random.normal(key, shape)` in every dtype, and the traced path under eval_shape gives the shapes."""
+    for dtype in (jnp.float32, jnp.bfloat16):
+        for shape in [(), (3,), (7, 5), (2, 48, 96)]:
+            key = nnx.Rngs(4).params()
+            got = param(key, shape, (None,) * len(shape), dtype, std=0.05)[...]
+            want = (0.05 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+            assert got.dtype == want.dtype and got.shape == want.shape
+            np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+            for init, fill in (("ones", 1), ("zeros", 0)):
+                const = param(None, shape, (None,) * len(shape), dtype, init)[...]
+                assert const.dtype == dtype and const.shape == shape and (np.asarray(const) == fill).all()
+    traced = nnx.eval_shape(lambda: param(nnx.Rngs(0).params(), (4, 6), (None, None), jnp.bfloat16))
+    assert traced.get_value().shape == (4, 6) and traced.get_value().dtype == jnp.bfloat16

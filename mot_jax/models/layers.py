@@ -7,10 +7,12 @@ below is written for that slice.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 # Keys outside the window / causal mask get this logit: finite, so a query with no visible key (a padding
@@ -22,13 +24,27 @@ GLOBAL_WINDOW = 2**30  # "no sliding window" as an int, so per-layer windows can
 def param(key, shape, names, dtype, init="normal", std=0.02):
     """An `nnx.Param` with logical axis names (mapped to mesh axes by the sharding rules, not here)."""
     assert len(shape) == len(names), (shape, names)
-    if init == "normal":
-        value = std * jax.random.normal(key, shape, jnp.float32)
-    elif init == "ones":
-        value = jnp.ones(shape, jnp.float32)
+    # under jit or eval_shape the key is traced; the numpy path needs threefry's per-index values (the default)
+    if init == "normal" and (isinstance(key, jax.core.Tracer) or not jax.config.jax_threefry_partitionable):
+        value = (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+    elif init == "normal":
+        value = (std * flat_normal(key, math.prod(shape)).reshape(shape)).astype(dtype)
     else:
-        value = jnp.zeros(shape, jnp.float32)
-    return nnx.Param(value.astype(dtype), out_sharding=tuple(names), eager_sharding=False)
+        value = (np.ones if init == "ones" else np.zeros)(shape, dtype)
+    return nnx.Param(jnp.asarray(value), out_sharding=tuple(names), eager_sharding=False)
+
+
+def flat_normal(key, size):
+    """The first `size` values of `jax.random.normal(key, (n,))` for n the next power of two, as numpy: the values of
+    `jax.random.normal(key, shape)` (threefry is partitionable: each value depends on its index only), from one
+    compiled program per power of two instead of one eager program per shape and operation."""
+    n = 1 << max(size - 1, 1).bit_length()
+    return np.asarray(_normal(key, n))[:size]
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _normal(key, n):
+    return jax.random.normal(key, (n,), jnp.float32)
 
 
 class Linear(nnx.Module):
