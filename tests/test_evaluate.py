@@ -1,5 +1,6 @@
 """The evaluation engine against independent computations, the report files, and `python -m mot_jax.evaluate`."""
 
+import dataclasses
 import io
 import json
 import re
@@ -20,6 +21,8 @@ from mot_jax.evals import datasets, metrics, report, run, synthetic
 from mot_jax.evals.config import defaults
 from mot_jax.evals.methods import Native, ShuffledSource, Stopwatch, Translated, method_name, regrid
 from mot_jax.evals.prompts import (
+    CHAT_TURNS,
+    INSTRUCTIONS,
     Settings,
     batches,
     decode_answers,
@@ -27,6 +30,7 @@ from mot_jax.evals.prompts import (
     is_closed,
     prefix_text,
     suffix_text,
+    target_chat,
     token_ids,
 )
 from mot_jax.evals.tasks import evaluate_agents, evaluate_examples
@@ -60,17 +64,28 @@ def log_probs(model, ids):
     return jax.nn.log_softmax(model(ids)[0][0], axis=-1)
 
 
-def test_native_answers_equal_the_target_reading_the_whole_prompt(pair):
+# a chat format whose markers the tiny tokenizers read as plain text (their vocabularies have no chat tokens)
+TURNS = ("<user>\n", "</user>\n<assistant>\n")
+
+
+@pytest.mark.parametrize("chat", [None, TURNS], ids=["plain", "chat"])
+def test_native_answers_equal_the_target_reading_the_whole_prompt(pair, chat):
     """The engine's native path (padded batch, prefix cache, suffix, greedy decoding) gives the tokens of the target
-    generating from prefix + suffix in one unpadded sequence; option likelihoods equal a full forward's."""
+    generating from prefix + suffix in one unpadded sequence; option likelihoods equal a full forward's. With a chat
+    format the prompt is the user turn (instruction, passage, question) and the assistant's opening."""
     examples = synthetic.examples("extractive_qa", 3, seed=1) + synthetic.examples("closed_qa", 3, seed=2)[:2]
+    settings = dataclasses.replace(SETTINGS, chat=chat)
     for subset in (examples[:3], examples[3:]):
-        got = evaluate_examples(pair, [Native()], subset, SETTINGS)["native"]["predictions"]
+        got = evaluate_examples(pair, [Native()], subset, settings)["native"]["predictions"]
         closed = is_closed(subset)
         eos = pair.target.config.eos_ids
         for example, prediction in zip(subset, got):
-            prefix = token_ids(pair.target_tokenizer, [prefix_text(example, closed)], True)[0]
-            suffix = token_ids(pair.target_tokenizer, [suffix_text(example)], False)[0]
+            text = f"{INSTRUCTIONS['closed' if closed else 'extractive']}\nPassage: {example['context']}"
+            assert prefix_text(example, closed, chat=chat) == (chat[0] if chat else "") + text
+            question = f"\nQuestion: {example['question']}"
+            assert suffix_text(example, options=False, chat=chat) == question + (chat[1] if chat else "\nAnswer:")
+            prefix = token_ids(pair.target_tokenizer, [prefix_text(example, closed, chat=chat)], True)[0]
+            suffix = token_ids(pair.target_tokenizer, [suffix_text(example, chat=chat)], False)[0]
             prefix = prefix[: 512 - len(suffix) - SETTINGS.max_new_tokens]  # what fits the tiny model's 512 positions
             ids = jnp.asarray([prefix + suffix], jnp.int32)
             out = generate(pair.target, ids, max_new_tokens=SETTINGS.max_new_tokens)
@@ -79,7 +94,7 @@ def test_native_answers_equal_the_target_reading_the_whole_prompt(pair):
             assert (prediction["question"], prediction["gold"]) == (example["question"], gold)
             if closed:  # the likelihood choice from full forwards over prompt (without the options) + " choice"
                 means = []
-                plain = token_ids(pair.target_tokenizer, [suffix_text(example, options=False)], False)[0]
+                plain = token_ids(pair.target_tokenizer, [suffix_text(example, options=False, chat=chat)], False)[0]
                 for choice in example["choices"]:
                     tokens = token_ids(pair.target_tokenizer, [" " + choice], False)[0]
                     logp = np.asarray(log_probs(pair.target, jnp.asarray([prefix + plain + tokens], jnp.int32)))
@@ -167,6 +182,7 @@ def test_report_files_are_written_and_parse(trained_workdir, tmp_path):
     assert len(rows) == len(names) * (2 * (2 + 2) + 2 * 2)
     markdown = (out / "results.md").read_text()
     assert markdown == report.markdown(saved) and "| MoT replay |" in markdown
+    assert saved["meta"]["chat_template"] is False and "; plain prompts;" in markdown  # tiny random: no chat format
     # the shuffled-source control: a row on every task, none in the TTFT table (its cost is its method's)
     assert "| MoT replay, shuffled source |" in markdown
     assert list(saved["tasks"]["multi_agent"]["methods"]) == names
@@ -410,3 +426,24 @@ def test_dial_runs_are_named_by_their_bottom_and_source():
     assert name(native_bottom=6, inputs="source,embeddings") == "MoT direct, B=6"
     assert name(native_bottom=6, inputs="embeddings,hidden") == "source-free MoT direct, B=6"
     assert name(kind="projector") == "C2C-Project (direct)"
+
+
+def test_chat_format_follows_the_tokenizer_and_the_model_name():
+    """auto: on for a chat-tuned target (by its name, or its embedded file's: SmolLM2-135M-Instruct) whose tokenizer
+    has ChatML or Gemma turns; on with no known format is refused in one line; off is plain prompts."""
+    from tokenizers import AddedToken
+
+    from mot_jax.models import tiny
+
+    chatml = alignment_lib.adapter(tiny.tokenizer.__wrapped__(tiny.HF_CONFIGS["llama"][1])).backend  # a fresh copy
+    chatml.add_special_tokens([AddedToken("<|im_start|>", special=True), AddedToken("<|im_end|>", special=True)])
+    plain = tiny.tokenizer(tiny.HF_CONFIGS["llama"][1])
+    assert target_chat("auto", "HuggingFaceTB/SmolLM2-135M-Instruct", chatml) == CHAT_TURNS["<|im_start|>"]
+    assert target_chat("auto", "smollm2-135m", chatml) == CHAT_TURNS["<|im_start|>"]  # the embedded Instruct GGUF
+    assert target_chat("auto", "gemma3-270m", chatml) is None  # a base model
+    assert target_chat("on", "gemma3-270m", chatml) == CHAT_TURNS["<|im_start|>"]
+    assert target_chat("off", "x-Instruct", chatml) is None and target_chat("auto", "x-Instruct", plain) is None
+    with pytest.raises(MotJaxError, match="has no known chat format"):
+        target_chat("on", "random:llama", plain)
+    with pytest.raises(MotJaxError, match="chat_template='yes' is not one of auto, on, off"):
+        run.evaluate("/nonexistent", small_config(chat_template="yes"))

@@ -15,6 +15,7 @@ def defaults() -> ml_collections.ConfigDict:
     c.seed = 0  # of the synthetic sets (invented entities: disjoint from any training text)
     c.batch_size = 4
     c.max_new_tokens = 32  # greedy; answers are cut at the first line break or prompt marker
+    c.chat_template = "auto"  # the target's chat turns around the prompts: on | off | auto (on for chat-tuned targets)
     c.methods = "no_context,native,text_relay"  # baselines run beside the trained translator(s); also: kvcomm
     c.pair = ""  # "SOURCE,TARGET": evaluate the baselines on this pair, no trained translator ("" = the workdir's)
     c.kvcomm = kvcomm_defaults()  # the kvcomm baseline's layer calibration (mot_jax/evals/kvcomm.py)

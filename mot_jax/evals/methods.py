@@ -114,7 +114,7 @@ class TextRelay(Method):
         eos = models.source.config.eos_ids
         out = watch.lap("source_summary", generate(models.source, ids, mask, max_new_tokens=self.tokens))
         summaries = [" ".join(s.split()) for s in decode_answers(models.source_tokenizer, out, eos)]
-        texts = [prefix_text(e, contexts.closed, s) for e, s in zip(contexts.examples, summaries)]
+        texts = [prefix_text(e, contexts.closed, s, contexts.chat) for e, s in zip(contexts.examples, summaries)]
         ids, mask = padded(token_ids(models.target_tokenizer, texts, True), BUCKET)
         room = capacity - contexts.length  # the slots the suffix and the answer need
         cache = watch.lap("prefill", prefill(models.target, ids, mask, capacity=ids.shape[1] + room)[1])

@@ -28,6 +28,13 @@ INSTRUCTIONS = {
     "closed": "Read the passage and answer the question with one of the options only.",
 }
 SUMMARY_REQUEST = "Summarize this passage in a few sentences, keeping every name, place and number."
+# chat formats, by the special token that marks them: (user turn opening, user turn close + assistant turn opening)
+CHAT_TURNS = {
+    "<|im_start|>": ("<|im_start|>user\n", "<|im_end|>\n<|im_start|>assistant\n"),  # ChatML: SmolLM2, Qwen
+    "<start_of_turn>": ("<start_of_turn>user\n", "<end_of_turn>\n<start_of_turn>model\n"),  # Gemma
+}
+INSTRUCT_NAMES = ("instruct", "-it", "chat")  # a model name with one of these is chat-tuned
+CHAT_SETTINGS = ("auto", "on", "off")
 BUCKET, SUFFIX_BUCKET = 64, 16  # padded lengths: jitted code compiles once per bucket, not once per batch
 
 
@@ -36,26 +43,50 @@ def instruction(example: dict, closed: bool) -> str:
     return INSTRUCTIONS["closed" if closed else "extractive"] + (f" {extra}" if extra else "")
 
 
-def prefix_text(example: dict, closed: bool, passage: str | None = None) -> str:
-    """What a method hands over: the instruction and the passage (`passage` replaces the context: a summary)."""
-    return f"{instruction(example, closed)}\nPassage: {example['context'] if passage is None else passage}"
+def chat_turns(tokenizer) -> tuple[str, str] | None:
+    """The tokenizer's chat format (`CHAT_TURNS`), None when it knows none of them."""
+    backend = alignment_lib.adapter(tokenizer).backend
+    return next((turns for marker, turns in CHAT_TURNS.items() if backend.token_to_id(marker) is not None), None)
 
 
-def suffix_text(example: dict, question: str | None = None, options: bool = True) -> str:
+def target_chat(setting: str, target_name: str, tokenizer) -> tuple[str, str] | None:
+    """The chat turns the evaluation wraps the target's prompts in (None: plain prompts): `setting` on, off, or auto
+    (on for a chat-tuned target, by its name or its embedded file's, whose tokenizer has a known chat format)."""
+    from mot_jax.models import gguf
+
+    turns = chat_turns(tokenizer) if setting != "off" else None
+    if setting == "on" and turns is None:
+        raise MotJaxError(
+            f"chat_template=on, but the tokenizer of {target_name!r} has no known chat format (ChatML or Gemma "
+            "turns); pass chat_template=off."
+        )
+    names = f"{target_name} {gguf.EMBEDDED.get(target_name, {}).get('file', '')}".lower()
+    return turns if setting == "on" or any(n in names for n in INSTRUCT_NAMES) else None
+
+
+def prefix_text(example: dict, closed: bool, passage: str | None = None, chat=None) -> str:
+    """What a method hands over: the instruction and the passage (`passage` replaces the context: a summary), in
+    the user turn's opening of the `chat` format (`target_chat`) when one is given."""
+    text = f"{instruction(example, closed)}\nPassage: {example['context'] if passage is None else passage}"
+    return (chat[0] if chat else "") + text
+
+
+def suffix_text(example: dict, question: str | None = None, options: bool = True, chat=None) -> str:
     """What the target reads after the handed-over prefix; closed-set questions list their options for a generated
-    answer, not when each option's likelihood is scored (small models then mostly copy the first listed one)."""
+    answer, not when each option's likelihood is scored (small models then mostly copy the first listed one). With
+    a `chat` format the user turn closes and the assistant's opens instead of "Answer:"."""
     text = f"\nQuestion: {question or example['question']}"
     if "choices" in example and options:
         text += f"\nOptions: {' / '.join(example['choices'])}"
-    return text + "\nAnswer:"
+    return text + (chat[1] if chat else "\nAnswer:")
 
 
 def summary_request(tokenizer, passage: str) -> tuple[str, bool]:
     """The text relay's request to the source: (text, add special tokens). Chat models that use ChatML
     (SmolLM2, Qwen) get their chat format, which makes a 135M model summarise far better than a plain prompt."""
-    if alignment_lib.adapter(tokenizer).backend.token_to_id("<|im_start|>") is not None:
-        turn = f"<|im_start|>user\n{SUMMARY_REQUEST}\n\n{passage}<|im_end|>\n<|im_start|>assistant\n"
-        return turn, False
+    if chat_turns(tokenizer) == CHAT_TURNS["<|im_start|>"]:
+        opening, close = CHAT_TURNS["<|im_start|>"]
+        return f"{opening}{SUMMARY_REQUEST}\n\n{passage}{close}", False
     return f"{passage}\n\n{SUMMARY_REQUEST}\nSummary:", True
 
 
@@ -106,6 +137,7 @@ class Contexts:
     mask: np.ndarray
     passages: list[str]  # the passage text each row's prefix holds (after truncation to the budget)
     donors: Contexts | None = None  # row by row, another example's contexts (with another passage): ShuffledSource
+    chat: tuple | None = None  # the chat turns the prompts are in (`Settings.chat`)
 
     @property
     def length(self) -> int:
@@ -117,6 +149,7 @@ class Settings:
     batch_size: int = 4
     max_new_tokens: int = 32
     budget: int | None = None  # at most this many target tokens of prefix (None: what the model's limit leaves)
+    chat: tuple | None = None  # the target's chat turns around the prompts (`target_chat`), None for plain prompts
 
 
 def is_closed(examples) -> bool:
@@ -159,12 +192,10 @@ def batches(models, examples, settings: Settings, questions=None, donors: bool =
     `donors` attaches each row's donor contexts (`donor_indices`) for `ShuffledSource`."""
     donor = donor_indices(examples) if donors else None
     closed = is_closed(examples)
-    prefixes = token_ids(models.target_tokenizer, [prefix_text(e, closed) for e in examples], True)
-    suffixes = token_ids(
-        models.target_tokenizer,
-        [suffix_text(e, None if questions is None else questions[i]) for i, e in enumerate(examples)],
-        False,
-    )
+    prefixes = token_ids(models.target_tokenizer, [prefix_text(e, closed, chat=settings.chat) for e in examples], True)
+    questions = questions or [None] * len(examples)
+    suffixes = [suffix_text(e, q, chat=settings.chat) for e, q in zip(examples, questions)]
+    suffixes = token_ids(models.target_tokenizer, suffixes, False)
     budgets = prefix_budgets(models, prefixes, suffixes, settings)
     prefixes = [p[:b] for p, b in zip(prefixes, budgets)]
     # the passage a truncated prefix still holds: its text minus the instruction header
@@ -173,7 +204,7 @@ def batches(models, examples, settings: Settings, questions=None, donors: bool =
     for start in range(0, len(examples), settings.batch_size):
         rows = slice(start, start + settings.batch_size)
         ids, mask = padded(prefixes[rows], BUCKET)
-        contexts = Contexts(examples[rows], closed, ids, mask, passages[rows])
+        contexts = Contexts(examples[rows], closed, ids, mask, passages[rows], chat=settings.chat)
         if donor:
             picked = donor[rows]
             contexts.donors = Contexts(
@@ -181,6 +212,7 @@ def batches(models, examples, settings: Settings, questions=None, donors: bool =
                 closed,
                 *padded([prefixes[j] for j in picked], BUCKET),
                 [passages[j] for j in picked],
+                chat=settings.chat,
             )
         yield contexts, *padded(suffixes[rows], SUFFIX_BUCKET)
 

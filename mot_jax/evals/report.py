@@ -119,7 +119,8 @@ def markdown(results: dict) -> str:
         f"# Evaluation: {meta['source']} -> {meta['target']} ({meta['dtype']})",
         "",
         f"Translators: {translators}. "
-        f"Data: {meta['data']}; greedy, {meta['config']['max_new_tokens']} new tokens; {meta['machine']}; "
+        f"Data: {meta['data']}; {'chat-template' if meta.get('chat_template') else 'plain'} prompts; greedy, "
+        f"{meta['config']['max_new_tokens']} new tokens; {meta['machine']}; "
         f"{meta['seconds']:.0f} s. Retention = the method's score as a percentage of native context's.",
     ]
     if meta["config"].get("shuffled_source"):

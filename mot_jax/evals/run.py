@@ -27,7 +27,7 @@ from mot_jax.evals.config import parse_list
 from mot_jax.evals.kvcomm import KVComm
 from mot_jax.evals.latency import latency, ttft_setup
 from mot_jax.evals.methods import BASELINES, Native, NoContext, ShuffledSource, TextRelay, Translated, method_name
-from mot_jax.evals.prompts import Settings, is_closed
+from mot_jax.evals.prompts import CHAT_SETTINGS, Settings, is_closed, target_chat
 from mot_jax.evals.tasks import add_retention, evaluate_agents, evaluate_examples
 from mot_jax.paths import as_path
 from mot_jax.progress import Progress
@@ -126,6 +126,8 @@ def evaluate(workdir, config: ml_collections.ConfigDict, compare=(), out=None) -
         raise MotJaxError(f"data={config.data!r} holds one task's examples; pass --task with it.")
     budgets, lengths = parse_list(config.budgets, int), parse_list(config.ttft_lengths, int)
     check_counts(config)
+    if config.chat_template not in CHAT_SETTINGS:
+        raise MotJaxError(f"chat_template={config.chat_template!r} is not one of {', '.join(CHAT_SETTINGS)}; pass one.")
     out = as_path(out or as_path(workdir) / "eval")
     outputs.check_replaceable(out)  # before minutes of evaluation
     if config.pair:  # the baselines on a named pair, no trained translator
@@ -147,7 +149,8 @@ def evaluate(workdir, config: ml_collections.ConfigDict, compare=(), out=None) -
     models = load_pair(pair_config)
     for method in methods:
         method.prepare(models)
-    settings = Settings(config.batch_size, config.max_new_tokens)
+    chat = target_chat(config.chat_template, pair_config.target, models.target_tokenizer)
+    settings = Settings(config.batch_size, config.max_new_tokens, chat=chat)
     results = dict(tasks={}, routing={})
 
     def examples(task, **options):
@@ -198,6 +201,7 @@ def evaluate(workdir, config: ml_collections.ConfigDict, compare=(), out=None) -
         target=pair_config.target,
         dtype=pair_config.dtype,
         data=config.data or "synthetic",
+        chat_template=bool(chat),
         config=config.to_dict(),
         machine=f"{platform.machine()}, {os.cpu_count()} cores, jax {jax.__version__} ({jax.default_backend()})",
         peak_device_bytes=(jax.local_devices()[0].memory_stats() or {}).get("peak_bytes_in_use"),

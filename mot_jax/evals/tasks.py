@@ -34,8 +34,9 @@ class Options:
     choices: list  # per option index c: (ids [B, Lc], mask, has [B] bool: the row has an option c)
 
     @classmethod
-    def of(cls, tokenizer, examples):
-        plain = padded(token_ids(tokenizer, [suffix_text(e, options=False) for e in examples], False), SUFFIX_BUCKET)
+    def of(cls, tokenizer, examples, chat=None):
+        plain = [suffix_text(e, options=False, chat=chat) for e in examples]
+        plain = padded(token_ids(tokenizer, plain, False), SUFFIX_BUCKET)
         choices = []
         for c in range(max(len(e["choices"]) for e in examples)):
             has = np.array([c < len(e["choices"]) for e in examples])
@@ -63,7 +64,7 @@ def evaluate_examples(models, methods, examples, settings: Settings, progress=No
     eos = tuple(models.target.config.eos_ids)
     rows = {m.name: dict(predictions=[], timed=[], handed=[]) for m in methods}
     for contexts, suffix_ids, suffix_mask in batches(models, examples, settings, donors=wants_donors(methods)):
-        options = Options.of(models.target_tokenizer, contexts.examples) if closed else None
+        options = Options.of(models.target_tokenizer, contexts.examples, contexts.chat) if closed else None
         capacity = contexts.length + max(suffix_ids.shape[1] + settings.max_new_tokens, options.length if closed else 0)
         for method in methods:
             watch = Stopwatch()
