@@ -75,6 +75,7 @@ def base() -> ml_collections.ConfigDict:
     c.loss = ml_collections.ConfigDict()
     c.loss.correction_weight = 1.0  # lambda on MSE(K) + MSE(V) against the native prefill
     c.loss.distill_weight = 0.0  # ours: mu on KL(native || translated) over the prompt's next tokens
+    c.loss.attention_weight = 0.0  # ours: nu on each written layer's attention-output error under native queries
     c.loss.load_balance_weight = 0.01
     c.loss.z_loss_weight = 0.001
 

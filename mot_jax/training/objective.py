@@ -10,6 +10,29 @@ Ours, off by default (`loss.distill_weight`): + mu * KL(native || translated), t
 over the prompt after its native cache against after the translated one (SwiftKV's distillation objective). CE
 rewards the labels alone; the KL asks for the whole distribution the native context gives, at every prompt position.
 
+Ours, off by default (`loss.attention_weight`): + nu * the attention-output error (issue 17), averaged over the layers
+the translator writes (those of the MSEs):
+
+    error_l = sum_{b, p, h, c} (o_l(q, K~, V~) - o_l(q, K, V))^2 / sum_{b, p, h, c} o_l(q, K, V)^2
+
+- Queries q: the target's native queries at the prompt positions p (the ones that read the context at answer time),
+  from its native forward over the prompt after its native context cache (= one forward over context + prompt),
+  recorded as each layer hands them to attention (q-norm, RoPE at their positions) with the layer's own logit scale
+  and sliding window (`QueryProbe`), and the model's soft-cap. Frozen inputs: `NativeReads`, from
+  `frozen_forwards(..., reads=True)`, computed only when the term is on. GQA: query head h reads KV head h // (H / K),
+  as in the model.
+- Keys and values: context + prompt. Native (K, V): that forward's cache. Translated (K~, V~): the same cache with
+  the written layers' context slots taken from the translated cache, the prompt's slots kept native. The prompt's
+  keys make the softmax compete as at answer time, so a translated context that draws too much or too little
+  attention mass counts (over the context alone, a common shift of a query's context logits would be invisible);
+  keeping them native keeps each layer's term a function of that layer's translation alone (the prompt's own K/V
+  after the translated cache drift with every layer below, which CE and the KL already measure).
+- Distance: the squared error of the attention outputs o [H * d] (before the output projection), summed over the
+  batch's valid prompt queries (keys masked for padding, causality and windows as in the forward), over the native
+  outputs' sum of squares: a relative error, comparable across layers of any scale, 1 for an all-zero output. Not
+  1 - cosine: the output projection and the residual stream read the norm too, and values off by a factor keep the
+  cosine at 1.
+
 Also reported, not in the loss: `unexplained_k` / `unexplained_v`, each layer's MSE over that layer's native variance in
 the batch (1 - R^2), averaged over layers: a fidelity that does not depend on the models' activation scales, above 1
 when the translation is further off than predicting every channel's mean would be.
@@ -21,7 +44,12 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
+from mot_jax.errors import MotJaxError
+from mot_jax.models.base import LayerCache
+from mot_jax.models.cache import KVCache
+from mot_jax.models.layers import GLOBAL_WINDOW, attention
 from mot_jax.translate.translator import translate
 
 
@@ -31,20 +59,85 @@ class LossWeights:
     load_balance: float = 0.01
     z_loss: float = 0.001
     distill: float = 0.0
+    attention: float = 0.0
 
     @classmethod
     def from_config(cls, loss) -> LossWeights:
-        """From a config's `loss` block (configs saved before `distill_weight` existed have none)."""
+        """From a config's `loss` block (configs saved before `distill_weight` / `attention_weight` have none)."""
         return cls(
-            loss.correction_weight, loss.load_balance_weight, loss.z_loss_weight, loss.get("distill_weight", 0.0)
+            loss.correction_weight,
+            loss.load_balance_weight,
+            loss.z_loss_weight,
+            loss.get("distill_weight", 0.0),
+            loss.get("attention_weight", 0.0),
         )
 
 
-def frozen_forwards(source, target, batch, topk: int):
-    """The source's cache (and attention top-k for sparse replay) and the target's native cache of the context."""
+@struct.dataclass
+class NativeReads:
+    """What every layer of a forward over T new tokens attends with: the attention-output term's frozen inputs."""
+
+    queries: jax.Array  # [L, B, T, H, d] as each layer hands them to attention (q-normed, rotated)
+    scale: jax.Array  # [L] fp32, each layer's logit scale
+    window: jax.Array  # [L] int32, each layer's sliding window (GLOBAL_WINDOW: none)
+    positions: jax.Array  # [B, T] the new tokens' positions
+    valid: jax.Array  # [B, T] bool, the new tokens' mask
+    cache: KVCache  # the cache after the forward: the keys and values it read
+
+    def from_layer(self, first: int) -> NativeReads:
+        """The reads of layers `first..L-1` alone (their cache's K/V too)."""
+        top = lambda a: a[first:]
+        cache = self.cache.replace(k=top(self.cache.k), v=top(self.cache.v))
+        return self.replace(queries=top(self.queries), scale=top(self.scale), window=top(self.window), cache=cache)
+
+
+class QueryProbe(LayerCache):
+    """A layer's cache view that also records the queries, scale and window its layer attends with."""
+
+    def attend(self, q, k, v, *, scale, window=GLOBAL_WINDOW, softcap=None):
+        self.topk_indices = (q, jnp.asarray(scale, jnp.float32), jnp.asarray(window, jnp.int32))
+        return super().attend(q, k, v, scale=scale, window=window, softcap=softcap)
+
+
+def layer_reads(model, ids, mask=None, cache=None) -> NativeReads:
+    """`NativeReads` of `model` reading `ids` [B, T] (padding per `mask`) after `cache` (None: a fresh one)."""
+    _, cache, (queries, scale, window) = model.run_layers(ids, mask, cache=cache, view=QueryProbe)
+    length = ids.shape[1]
+    new = lambda a: jax.lax.dynamic_slice_in_dim(a, cache.index - length, length, axis=1)  # the T slots just written
+    return NativeReads(queries, scale, window, new(cache.positions), new(cache.valid), cache)
+
+
+def read_outputs(reads: NativeReads, k, v, softcap=None):
+    """[L, B, T, H * d] fp32: each layer's attention of the recorded queries over k, v [L, B, K, S, d] (masked by the
+    recorded cache's slot positions and validity), with the layer's scale and window and the model's `softcap`."""
+
+    def one(q, k, v, scale, window):
+        c = reads.cache
+        return attention(q, k, v, reads.positions, c.positions, c.valid, scale=scale, window=window, softcap=softcap)
+
+    f32 = lambda x: x.astype(jnp.float32)
+    return jax.vmap(one)(f32(reads.queries), f32(k), f32(v), reads.scale, reads.window)
+
+
+def attention_error(reads: NativeReads, k, v, softcap=None):
+    """[L] per layer: the squared error of the attention outputs over k, v [L, B, K, S, d] against over the reads'
+    own cache, summed over valid queries, over the latter's sum of squares (see the module docstring)."""
+    got = read_outputs(reads, k, v, softcap)
+    want = read_outputs(reads, reads.cache.k, reads.cache.v, softcap)
+    weight = reads.valid[None, :, :, None].astype(jnp.float32)
+    error = (jnp.square(got - want) * weight).sum((1, 2, 3))
+    return error / jnp.maximum((jnp.square(want) * weight).sum((1, 2, 3)), 1e-12)
+
+
+def frozen_forwards(source, target, batch, topk: int, reads: bool = False):
+    """The source's cache (and attention top-k for sparse replay) and the target's native cache of the context; with
+    `reads=True` a fourth value, the target's `NativeReads` of the prompt after that cache (the attention term's)."""
     _, source_cache, source_topk = source.run_layers(batch.source_ids, batch.source_mask, topk=topk)
     _, native, _ = target.run_layers(batch.context, batch.context_mask, fresh=True)
-    return source_cache, source_topk, native
+    if not reads:
+        return source_cache, source_topk, native
+    capacity = batch.context.shape[1] + batch.prompt.shape[1]
+    return source_cache, source_topk, native, layer_reads(target, batch.prompt, cache=native.with_capacity(capacity))
 
 
 def layer_mse(a, b, mask):
@@ -83,8 +176,9 @@ def prompt_cross_entropy(target, cache, batch):
 
 
 def context_correction(translator, source, target, batch, frozen, weights: LossWeights):
-    """(loss, metrics) of one micro-batch; `frozen` = `frozen_forwards(...)` (no gradient flows into it)."""
-    source_cache, source_topk, native = jax.lax.stop_gradient(frozen)
+    """(loss, metrics) of one micro-batch; `frozen` = `frozen_forwards(...)` (no gradient flows into it), with
+    `reads=True` where `weights.attention` is on."""
+    source_cache, source_topk, native, *reads = jax.lax.stop_gradient(frozen)
     spec = translator.spec
     context_length, prompt_length = batch.context.shape[1], batch.prompt.shape[1]
     cache, aux = translate(
@@ -117,6 +211,18 @@ def context_correction(translator, source, target, batch, frozen, weights: LossW
         teacher, _ = target(batch.prompt, cache=native.with_capacity(context_length + prompt_length))
         metrics["kl"] = distillation_kl(logits, jax.lax.stop_gradient(teacher), batch.label_mask)
         loss = loss + weights.distill * metrics["kl"]
+    if weights.attention:
+        if not reads:
+            raise MotJaxError("The attention-output loss needs the native queries: call frozen_forwards(reads=True).")
+        written = reads[0].from_layer(first)  # native reads of context + prompt at the layers the translator writes
+        # the translated side: the same cache with its context slots from the translation
+        swap = lambda got, want: jnp.concatenate(
+            [got[first:, :, :, :context_length], want[:, :, :, context_length:]], 3
+        )
+        k, v = swap(cache.k, written.cache.k), swap(cache.v, written.cache.v)
+        error = attention_error(written, k, v, target.config.attn_softcap)
+        metrics["attention"] = error.mean() if error.size else jnp.zeros(())
+        loss = loss + weights.attention * metrics["attention"]
     metrics["loss"] = loss
     if routed:
         # query slots per expert and row that dispatch used, as a fraction of the tokens (1: the dense work)

@@ -65,7 +65,7 @@ class Trainer:
 
     def _loss(self, params, llm_states, batch):
         _, source, target = self._models(params, llm_states)
-        frozen = objective.frozen_forwards(source, target, batch, self.topk)
+        frozen = objective.frozen_forwards(source, target, batch, self.topk, reads=bool(self.weights.attention))
 
         def loss_fn(p):
             translator, _, _ = self._models(p, llm_states)
