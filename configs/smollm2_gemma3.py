@@ -1,12 +1,14 @@
 """SmolLM2-135M <-> Gemma-3-270M, offline on a CPU: the runs behind RESULTS.md.
 
-The argument picks the run, as a comma list: `replay` (default) or `direct`; `single` (one translator, N=1) or
-`projector` (the C2C-Project baseline) in place of the mixture; `skip` for a least-squares-started linear skip beside
-the mixtures (with keys translated un-rotated and no output GELU); `reverse` for Gemma-3 -> SmolLM2; `tiny` to run it
-on tiny random models in seconds.
+The argument picks the run, as a comma list: `replay` (default) or `direct`; `single` (one translator, N=1),
+`projector` (the C2C-Project baseline) or `c2c` (the C2C fuser: the target prefills its context and adds gated
+residuals from the source's K/V at its layers; direct, suffix CE only) in place of the mixture; `skip` for a
+least-squares-started linear skip beside the mixtures (with keys translated un-rotated and no output GELU);
+`reverse` for Gemma-3 -> SmolLM2; `tiny` to run it on tiny random models in seconds.
 
     python -m mot_jax.train --config=configs/smollm2_gemma3.py:replay --workdir=$HOME/runs/s2g_replay
     python -m mot_jax.train --config=configs/smollm2_gemma3.py:direct,reverse --workdir=$HOME/runs/g2s_direct
+    python -m mot_jax.train --config=configs/smollm2_gemma3.py:c2c --workdir=$HOME/runs/s2g_c2c  # time unmeasured
 
 Contexts of 191 target tokens (BOS first) like the evaluation passages (~190 tokens with the instruction), a
 64-token prompt, 4 sequences per step; a mixture of 2 experts (k=1, one block per layer) over the top 30% of the
@@ -18,26 +20,28 @@ and the evaluation commands: RESULTS.md.
 from mot_jax.errors import MotJaxError
 from mot_jax.training.config import base, tiny
 
-CHOICES = ("replay", "direct", "single", "projector", "skip", "reverse", "tiny")
+CHOICES = ("replay", "direct", "single", "projector", "c2c", "skip", "reverse", "tiny")
+KINDS = ("single", "projector", "c2c")  # at most one: what replaces the mixture
 
 
 def get_config(arg=None):
     parts = [p for p in (arg or "").split(",") if p]
     unknown = [p for p in parts if p not in CHOICES]
-    if unknown or ("replay" in parts and "direct" in parts) or ("single" in parts and "projector" in parts):
+    kinds = [p for p in parts if p in KINDS]
+    if unknown or ("replay" in parts and "direct" in parts) or len(kinds) > 1 or ("c2c" in parts and "replay" in parts):
         raise MotJaxError(
             f"Bad config argument {arg!r}; pass a comma list of {', '.join(CHOICES)} with at most one of "
-            "replay/direct and one of single/projector."
+            "replay/direct and one of single/projector/c2c (c2c runs direct)."
         )
     c = base()
     c.source, c.target = "smollm2-135m", "gemma3-270m"
     if "reverse" in parts:
         c.source, c.target = c.target, c.source
-    c.translator.mode = "direct" if "direct" in parts else "replay"
+    c.translator.mode = "direct" if "direct" in parts or "c2c" in parts else "replay"
     c.translator.channels.mode = "terminal"
     c.translator.channels.ratio = 0.3  # replay: the top 30% of the target's layers; direct translates every layer
     c.translator.update(dim=256, heads=4, depth=1, mlp_ratio=2, num_experts=2, top_k=1)
-    if "direct" in parts:
+    if c.translator.mode == "direct":
         # every target layer, so one block per layer: narrower, and one output projection per layer (the paper's
         # fused W x W projection would cost more than the target's own prefill)
         c.translator.update(dim=96, heads=2, mlp_ratio=4, fused_output=False)
@@ -45,6 +49,8 @@ def get_config(arg=None):
         c.translator.num_experts = 1
     if "projector" in parts:
         c.translator.kind = "projector"
+    if "c2c" in parts:  # the reference's C2C: its loss is the suffix CE alone
+        c.translator.kind, c.loss.correction_weight = "c2c", 0.0
     if "skip" in parts:
         c.translator.update(linear_skip=True, rotary=True, output_activation="none")
     c.data.total_tokens, c.data.prefix_tokens, c.data.source_length = 256, 192, 256

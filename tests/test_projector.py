@@ -65,8 +65,8 @@ def test_kv_translator_builds_projectors_and_refuses_an_unknown_kind():
     spec = TranslationSpec.build("direct", channels.terminal(4, 4, 1.0), 4, 4)
     translator = KVTranslator(spec, TranslatorConfig(8, 8, 4, kind="projector", dim=16), rngs=nnx.Rngs(0))
     assert isinstance(translator.key, Projector) and isinstance(translator.value, Projector)
-    with pytest.raises(MotJaxError, match="Unknown translator kind 'c2c'"):
-        KVTranslator(spec, TranslatorConfig(8, 8, 4, kind="c2c"), rngs=nnx.Rngs(0))
+    with pytest.raises(MotJaxError, match="Unknown translator kind 'nope'"):
+        KVTranslator(spec, TranslatorConfig(8, 8, 4, kind="nope"), rngs=nnx.Rngs(0))
 
 
 @pytest.mark.parametrize("mode", ["direct", "replay"])

@@ -176,8 +176,9 @@ class ShuffledSource(Method):
     then writes row b's grid (its positions, its mask) from the donor's source K/V. What it reads of row b is the
     number and positions of its tokens and its first token, whose K/V are the target's own (a BOS or the
     instruction's first token, the same for every example): never row b's passage. The target prompt (row b's
-    question) is row b's. A replay translator's target still reads row b's text itself, as the method does, so
-    there the row tells whether the translated window adds anything to that reading; so do a direct translator's
+    question) is row b's. A replay translator's target (and C2C's, whose own prefill it fuses into) still reads row
+    b's text itself, as the method does, so there the row tells whether the translation adds anything to that
+    reading; so do a direct translator's
     target-side inputs (its own bottom layers and embeddings, `native_bottom` and `inputs`): only the source is
     another example's.
     """
@@ -221,6 +222,8 @@ def method_name(config) -> str:
     t = config.translator
     if t.get("kind", "mot") == "projector":
         name = f"C2C-Project ({t.mode})"
+    elif t.get("kind") == "c2c":  # its target reads the context itself: its TTFT (translation) holds that prefill
+        name = "C2C"
     elif t.get("kind") == "linear":
         name = f"linear translator ({t.mode})"
     else:

@@ -8,7 +8,8 @@
     out = target.generate(torch.cat([ids, question_ids], 1), attention_mask=torch.cat([mask, ones], 1),
                           cache=cache, max_new_tokens=20)
 
-`direct`: the translated K/V of every target layer are the cache. `replay`: the transformers target runs over its
+`direct`: the translated K/V of every target layer are the cache (a `kind="c2c"` translator: the target's own
+cache of its context, its window layers' K/V fused with the source's). `replay`: the transformers target runs over its
 context with the translated K/V read by the window layers' attention (a registered attention function) and sparse
 top-k attention from the source's attention where the translator was trained with it; the cache it builds (its own
 recomputed K/V) is handed on, as in `mot_jax.translate.translator`.
@@ -265,6 +266,8 @@ class CachePipeline:
         attention weights over the context (`output_attentions=True`)."""
         cfg = self.translator.config
         layers = _cache_layers(source_cache)
+        if cfg.kind == "c2c":
+            return self._fused(layers, alignment, target_ids, target_mask)
         k, v = self.translator.translate_window(
             [kv[0] for kv in layers], [kv[1] for kv in layers], alignment.weights, np.asarray(target_mask, bool)
         )
@@ -283,6 +286,24 @@ class CachePipeline:
             topk = head_averaged_topk(source_attentions, cfg.k_attn)
             allowed = allowed_keys(sparse_indices(cfg, topk, alignment), ids.shape[1])
         return self._replay(ids, mask, k, v, allowed)
+
+    def _fused(self, source_layers, alignment, target_ids, target_mask):
+        """kind='c2c': the target reads its context itself, then its window layers take the fused K/V."""
+        ids = torch.as_tensor(np.asarray(target_ids), dtype=torch.long)
+        mask = torch.as_tensor(np.asarray(target_mask), dtype=torch.long)
+        out = self.target(input_ids=ids, attention_mask=mask, cache=DynamicCache(), use_cache=True)
+        own = [list(kv) for kv in _cache_layers(out.cache)]
+        k, v = self.translator.fuse_window(
+            [kv[0] for kv in own],
+            [kv[1] for kv in own],
+            [kv[0] for kv in source_layers],
+            [kv[1] for kv in source_layers],
+            alignment.weights,
+            mask.bool(),
+        )
+        for slot, layer in enumerate(self.translator.config.target_layers):
+            own[layer] = [k[slot].to(own[layer][0].dtype), v[slot].to(own[layer][1].dtype)]
+        return _left_padded_cache(self.target.config, own, mask)
 
     def _replay(self, ids, mask, k, v, allowed):
         global _replay

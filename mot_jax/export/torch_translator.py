@@ -14,7 +14,9 @@ translated K and V of the window's target layers (`config.target_layers`), each 
 
 Every parameter keeps the JAX layout and name: leading [expert] or [expert, block] axes, Linear kernels [in, out].
 Each expert runs on every token (dense): the JAX sparse dispatch is dropless, so it gives the same numbers. A translator
-of `kind="projector"` (the C2C-Project baseline) holds a `Projector` per K and V instead of a `Mixture`.
+of `kind="projector"` (the C2C-Project baseline) holds a `Projector` per K and V instead of a `Mixture`; one of
+`kind="c2c"` (the C2C fuser) a `Fuser` per K and V, called through `fuse_window` with the target's own cache of the
+context (its gate hard, as at evaluation).
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ class TorchTranslatorConfig:
     target_head_dim: int
     source_rotary: bool = False  # the source model uses RoPE
     target_rotary: bool = False
-    kind: str = "mot"  # "mot" (a Mixture per K and V) | "projector" (a Projector per K and V)
+    kind: str = "mot"  # "mot" (a Mixture per K and V) | "projector" (a Projector) | "c2c" (a Fuser)
     dim: int = 1024
     heads: int = 16
     depth: int = 2
@@ -77,13 +79,16 @@ class TorchTranslatorConfig:
     def __post_init__(self):
         for name in ("source_layers", "target_layers", "layer_map"):
             object.__setattr__(self, name, tuple(int(i) for i in getattr(self, name)))
-        mot = self.kind == "mot"  # a projector reads none of the mixture's fields
+        mot = self.kind == "mot"  # a projector or fuser reads none of the mixture's routing fields
         checks = [
-            (self.kind in ("mot", "projector"), f"kind={self.kind!r} must be 'mot' or 'projector'"),
+            (self.kind in ("mot", "projector", "c2c"), f"kind={self.kind!r} must be 'mot', 'projector' or 'c2c'"),
             (not mot or 1 <= self.top_k <= self.num_experts, f"top_k={self.top_k} must be in 1..num_experts"),
             (not mot or self.dispatch in ("dense", "sparse"), f"dispatch={self.dispatch!r} must be dense or sparse"),
             (self.output_activation in ("gelu", "none"), f"output_activation={self.output_activation!r} is unknown"),
-            (not mot or self.dim % self.heads == 0, f"dim={self.dim} must be divisible by heads={self.heads}"),
+            (
+                self.kind == "projector" or self.dim % self.heads == 0,
+                f"dim={self.dim} must be divisible by heads={self.heads}",
+            ),
             (not self.rotary or self.output_activation == "none", "rotary=true needs output_activation='none'"),
             (
                 len(self.source_layers) == len(self.target_layers) == self.window,
@@ -178,10 +183,12 @@ class Linear(nn.Module):
 class CrossAttentionBlocks(nn.Module):
     """The R x W un-shared cross-attention blocks of every expert: parameters [expert, block, ...]."""
 
-    def __init__(self, cfg: TorchTranslatorConfig):
+    def __init__(self, cfg: TorchTranslatorConfig, experts=True):
+        """`experts=False`: no expert axis, the blocks of one chain (a Fuser's)."""
         super().__init__()
-        lead, d, hidden = (cfg.num_experts, cfg.depth * cfg.window), cfg.dim, cfg.mlp_ratio * cfg.dim
-        self.heads = cfg.heads
+        lead, d, hidden = (cfg.depth * cfg.window,), cfg.dim, cfg.mlp_ratio * cfg.dim
+        lead = (cfg.num_experts, *lead) if experts else lead
+        self.heads, self.experts = cfg.heads, experts
         self.norm_q, self.norm_ctx = LayerNorm(*lead, d), LayerNorm(*lead, d)
         self.in_proj = Linear(*lead, din=d, dout=3 * d)  # packed q, k, v
         self.out_proj = Linear(*lead, din=d, dout=d)
@@ -190,8 +197,10 @@ class CrossAttentionBlocks(nn.Module):
         self.fc2 = Linear(*lead, din=hidden, dout=d)
 
     def forward(self, g, ctx, visible, i):
-        """Block i of every expert: g [E, B, T, D] queries, ctx [E, B, T, D] one window layer, visible [B, T|1, T]."""
-        p = lambda m: (m.kernel[:, i], m.bias[:, i]) if isinstance(m, Linear) else (m.scale[:, i], m.bias[:, i])
+        """Block i of every expert: g [E, B, T, D] queries, ctx [E, B, T, D] one window layer, visible [B, T|1, T]
+        (without an expert axis E = 1)."""
+        pick = (lambda a: a[:, i]) if self.experts else (lambda a: a[i][None])
+        p = lambda m: (pick(m.kernel), pick(m.bias)) if isinstance(m, Linear) else (pick(m.scale), pick(m.bias))
         q_in, c = layer_norm(g, *p(self.norm_q), True), layer_norm(ctx, *p(self.norm_ctx), True)
         kernel, bias = p(self.in_proj)
         d, h = g.shape[-1], self.heads
@@ -320,6 +329,55 @@ class Projector(nn.Module):
         return gelu(y) if self.cfg.output_activation == "gelu" else y
 
 
+class Fuser(nn.Module):
+    """C2C's K or V fuser (JAX: `mot_jax.translate.c2c.ResidualCacheFuser`, the formulas in its docstring) with its
+    evaluation gate: receiver + 1[sigmoid(logit) >= 0.5] * residual per window layer."""
+
+    def __init__(self, cfg: TorchTranslatorConfig):
+        super().__init__()
+        self.cfg = cfg
+        d, w, dr, ds, hidden = cfg.dim, cfg.window, cfg.target_width, cfg.source_width, cfg.mlp_ratio * cfg.dim
+        self.receiver_norm, self.receiver_proj = LayerNorm(dr), Linear(din=dr, dout=d)
+        self.sharer_norm, self.sharer_proj = LayerNorm(ds), Linear(din=ds, dout=d)
+        self.feature_norm, self.feature_proj = LayerNorm(2 * d), Linear(din=2 * d, dout=d)
+        self.fusion_norm = LayerNorm(d)
+        self.fusion_fc1, self.fusion_fc2 = Linear(din=d, dout=hidden), Linear(din=hidden, dout=d)
+        self.weight_norm, self.weight_proj = LayerNorm(d), Linear(din=d, dout=d)
+        self.blocks = CrossAttentionBlocks(cfg, experts=False)
+        if cfg.fused_output:
+            self.output_norm, self.output_proj = LayerNorm(w * d), Linear(din=w * d, dout=w * dr)
+        else:
+            self.output_norm, self.output_proj = LayerNorm(w, d), Linear(w, din=d, dout=dr)
+        self.gate_logits = nn.Parameter(torch.full((w,), 1.5))
+
+    def forward(self, receiver, sharer, token_mask):
+        """receiver [B, T, W, dt], sharer [B, T, W, ds], token_mask [B, T] bool -> fused [B, T, W, dt]."""
+        cfg = self.cfg
+        b, t, w, _ = receiver.shape
+        norm = lambda x, n: layer_norm(x, n.scale, n.bias, False)
+        lin = lambda x, m: x @ m.kernel + m.bias
+        r = gelu(lin(norm(receiver, self.receiver_norm), self.receiver_proj))
+        s = gelu(lin(norm(sharer, self.sharer_norm), self.sharer_proj))
+        x = gelu(lin(norm(torch.cat([r, s], -1), self.feature_norm), self.feature_proj))
+        fused = x + lin(gelu(lin(norm(x, self.fusion_norm), self.fusion_fc1)), self.fusion_fc2)
+        context = fused * torch.sigmoid(lin(norm(fused, self.weight_norm), self.weight_proj))
+        g, visible, last_stage = r[None, :, :, 0], token_mask[:, None, :], []  # the chain starts from R_0
+        for stage in range(cfg.depth):
+            for layer in range(w):
+                g = self.blocks(g, context[None, :, :, layer], visible, stage * w + layer)
+                if stage == cfg.depth - 1:
+                    last_stage.append(g[0])
+        states = torch.stack(last_stage, dim=2)  # [B, T, W, D]
+        if cfg.fused_output:
+            y = lin(norm(states.reshape(b, t, -1), self.output_norm), self.output_proj)
+        else:
+            y = torch.einsum("btwd,wdo->btwo", norm(states, self.output_norm), self.output_proj.kernel)
+            y = y + self.output_proj.bias
+        y = (gelu(y) if cfg.output_activation == "gelu" else y).reshape(b, t, w, -1)
+        gate = (torch.sigmoid(self.gate_logits) >= 0.5).to(receiver.dtype)
+        return receiver + gate[:, None] * y.to(receiver.dtype)
+
+
 class Rope(nn.Module):
     """Per-layer RoPE inverse frequencies of the source [Ls, ds/2] and target [Lt, dt/2] models (buffers)."""
 
@@ -363,7 +421,7 @@ class KVTranslator(nn.Module):
         super().__init__()
         cfg = config if isinstance(config, TorchTranslatorConfig) else TorchTranslatorConfig.from_dict(config)
         self.config = cfg
-        module = Projector if cfg.kind == "projector" else Mixture
+        module = {"projector": Projector, "c2c": Fuser}.get(cfg.kind, Mixture)
         self.key, self.value = module(cfg), module(cfg)
         if cfg.linear_skip:
             self.key_skip, self.value_skip = LinearSkip(cfg), LinearSkip(cfg)
@@ -449,6 +507,29 @@ class KVTranslator(nn.Module):
         source_positions [B, S], the RoPE positions of the source slots (default 0..S-1, right padding).
         """
         cfg = self.config
+        if cfg.kind == "c2c":
+            raise ValueError("A kind='c2c' translator fuses into the target's own cache; call fuse_window.")
+        k_in, v_in, mask = self._aligned(source_k, source_v, alignment_weights, target_mask, source_positions)
+        k, v = self.key(k_in, mask), self.value(v_in, mask)
+        if cfg.linear_skip:
+            k, v = k + self.key_skip(k_in), v + self.value_skip(v_in)
+        return self._to_cache(k, v, mask)
+
+    def fuse_window(self, target_k, target_v, source_k, source_v, alignment_weights, target_mask=None):
+        """kind='c2c': the window layers' K and V of the target's own cache of the context (`target_k`, `target_v`:
+        per layer [B, Kt, T, dt] or stacked [Lt, B, Kt, T, dt], right-padded as the alignment) fused with the
+        source's, each [W, B, Kt, T, dt]; the other arguments as `translate_window`'s."""
+        cfg = self.config
+        if cfg.kind != "c2c":
+            raise ValueError(f"fuse_window is kind='c2c''s; a kind={cfg.kind!r} translator uses translate_window.")
+        k, v, mask = self._aligned(source_k, source_v, alignment_weights, target_mask)
+        own = lambda cache: torch.stack([cache[i] for i in cfg.target_layers], 0).permute(1, 3, 0, 2, 4)
+        own_k, own_v = (own(c).reshape(*k.shape[:3], -1).to(self.dtype) for c in (target_k, target_v))
+        return self._to_cache(self.key(own_k, k, mask), self.value(own_v, v, mask), mask)
+
+    def _aligned(self, source_k, source_v, alignment_weights, target_mask=None, source_positions=None):
+        """The source window's K and V on the target token grid, each [B, T, W, Ks * ds], and the target mask."""
+        cfg = self.config
         k, v = self._stack(source_k, "source_k"), self._stack(source_v, "source_v")  # [B, S, W, K, d]
         b, s = k.shape[:2]
         weights = torch.as_tensor(alignment_weights, device=k.device)
@@ -476,10 +557,13 @@ class KVTranslator(nn.Module):
         resample = lambda x: torch.einsum("bts,bsw->btw", weights.float(), x.reshape(b, s, -1).float())
         k = resample(k).reshape(b, t, cfg.window, -1).to(self.dtype)  # [B, T, W, Ks * ds]
         v = resample(v).reshape(b, t, cfg.window, -1).to(self.dtype)
-        k_in, v_in = k, v
-        k, v = self.key(k_in, mask), self.value(v_in, mask)
-        if cfg.linear_skip:
-            k, v = k + self.key_skip(k_in), v + self.value_skip(v_in)
+        return k, v, mask
+
+    def _to_cache(self, k, v, mask):
+        """Translated k, v [B, T, W, Kt * dt] -> each [W, B, Kt, T, dt], keys rotated at the target positions when
+        the translator is rotary."""
+        cfg = self.config
+        b, t = k.shape[:2]
         k = k.reshape(b, t, cfg.window, cfg.target_kv_heads, cfg.target_head_dim)
         v = v.reshape(b, t, cfg.window, cfg.target_kv_heads, cfg.target_head_dim)
         if cfg.apply_rotary:  # rotate the translated keys at the target positions
@@ -503,6 +587,7 @@ __all__ = [
     "Experts",
     "Router",
     "Projector",
+    "Fuser",
     "LinearSkip",
     "TorchTranslatorConfig",
     "load",

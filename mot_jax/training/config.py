@@ -41,7 +41,9 @@ def base() -> ml_collections.ConfigDict:
     # mot (the mixture of translators) | projector (the C2C-Project baseline: per window layer, LN -> Linear ->
     # GELU -> Linear on every token, hidden width max(dim, target width); reads only dim and output_activation,
     # and the reference's c2c-pr has output_activation="none"; mode="direct" projects every target layer) | linear
-    # (ours: the least-squares-started linear skip alone, no mixture; needs linear_skip=True)
+    # (ours: the least-squares-started linear skip alone, no mixture; needs linear_skip=True) | c2c (the C2C fuser:
+    # the target's own prefill plus gated residuals from the source's K/V over the top min(Ls, Lt) layers; needs
+    # mode="direct", and the reference trains it with loss.correction_weight=0)
     c.translator.kind = "mot"
     c.translator.dim = 1024
     c.translator.heads = 16

@@ -175,7 +175,7 @@ def prompt_cross_entropy(target, cache, batch):
     return token_cross_entropy(logits, batch.labels, batch.label_mask)
 
 
-def context_correction(translator, source, target, batch, frozen, weights: LossWeights):
+def context_correction(translator, source, target, batch, frozen, weights: LossWeights, noise=None):
     """(loss, metrics) of one micro-batch; `frozen` = `frozen_forwards(...)` (no gradient flows into it), with
     `reads=True` where `weights.attention` is on."""
     source_cache, source_topk, native, *reads = jax.lax.stop_gradient(frozen)
@@ -191,6 +191,8 @@ def context_correction(translator, source, target, batch, frozen, weights: LossW
         batch.context_mask,
         source_topk,
         capacity=context_length + prompt_length,
+        receiver=native,  # kind='c2c' fuses into it; `noise`: its training gate (None: the hard gate)
+        noise=noise,
     )
     logits, _ = target(batch.prompt, cache=cache)
     ce = token_cross_entropy(logits, batch.labels, batch.label_mask)
@@ -201,12 +203,15 @@ def context_correction(translator, source, target, batch, frozen, weights: LossW
         mse = layer_mse(context(got), want[first:], batch.context_mask)
         unexplained = mse / jnp.maximum(layer_variance(want[first:], batch.context_mask), 1e-12)
         errors |= {f"mse_{name}": mse.mean(), f"unexplained_{name}": unexplained.mean()}
+    gates = aux.pop("gate", None)  # kind='c2c': the K and V gates of this forward [2, W]
     routed = [a for a in aux.values() if a]  # the K and V mixtures' aux outputs (empty with one expert)
     load_balance = sum((a["load_balance_loss"] for a in routed), jnp.zeros(()))
     z_loss = sum((a["z_loss"] for a in routed), jnp.zeros(()))
     correction = errors["mse_k"] + errors["mse_v"]
     loss = ce + weights.correction * correction + weights.load_balance * load_balance + weights.z_loss * z_loss
     metrics = dict(ce=ce, **errors, load_balance=load_balance, z_loss=z_loss)
+    if gates is not None:
+        metrics["gate"] = gates.mean()
     if weights.distill:  # one more target forward over the prompt, after the native cache (no gradient reaches it)
         teacher, _ = target(batch.prompt, cache=native.with_capacity(context_length + prompt_length))
         metrics["kl"] = distillation_kl(logits, jax.lax.stop_gradient(teacher), batch.label_mask)

@@ -25,6 +25,7 @@ from mot_jax.models.registry import resolve_dtype
 from mot_jax.training import data, objective
 from mot_jax.training.optim import adamw
 from mot_jax.training.setup import Pair
+from mot_jax.translate import c2c
 from mot_jax.translate.linear_skip import linear_skip_sums, solve_linear_skip
 from mot_jax.translate.translator import KVTranslator
 
@@ -45,6 +46,7 @@ class Trainer:
         rng = jax.random.key_data(jax.random.key(config.seed))
         self.state = dict(params=params, opt_state=jax.jit(self.tx.init)(params), rng=rng)
         self.topk = spec.attention_topk
+        self.kind, self.total_steps = tcfg.kind, total_steps
         self.compute_dtype = resolve_dtype(config.dtype)
         self.weights = objective.LossWeights.from_config(config.loss)
         replicated = NamedSharding(mesh, PartitionSpec())
@@ -63,25 +65,36 @@ class Trainer:
         source, target = (nnx.merge(g, s) for g, s in zip(self.llm_graphs, llm_states))
         return translator, source, target
 
-    def _loss(self, params, llm_states, batch):
+    def _loss(self, params, llm_states, batch, noise=None):
         _, source, target = self._models(params, llm_states)
         frozen = objective.frozen_forwards(source, target, batch, self.topk, reads=bool(self.weights.attention))
 
         def loss_fn(p):
             translator, _, _ = self._models(p, llm_states)
-            return objective.context_correction(translator, source, target, batch, frozen, self.weights)
+            return objective.context_correction(translator, source, target, batch, frozen, self.weights, noise)
 
         return loss_fn
 
+    def _gate_noise(self, state, micro_batches: int):
+        """kind='c2c': each micro-batch's training gate (the temperature at this update, its own noise); else None."""
+        if self.kind != "c2c":
+            return None
+        step = optax.tree_utils.tree_get_all_with_path(state["opt_state"], "count")[0][1]  # the updates done
+        key = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), step)
+        temperature = jnp.full(micro_batches, c2c.gate_temperature(step, self.total_steps))
+        return c2c.GateNoise(temperature, jax.random.split(key, micro_batches))
+
     def _train_step(self, state, llm_states, batches):
-        def micro(grads, batch):
-            (_, metrics), g = jax.value_and_grad(self._loss(state["params"], llm_states, batch), has_aux=True)(
+        def micro(grads, xs):
+            batch, noise = xs
+            (_, metrics), g = jax.value_and_grad(self._loss(state["params"], llm_states, batch, noise), has_aux=True)(
                 state["params"]
             )
             return jax.tree.map(jnp.add, grads, g), metrics
 
         zeros = jax.tree.map(jnp.zeros_like, state["params"])
-        grads, metrics = jax.lax.scan(micro, zeros, batches)
+        noises = self._gate_noise(state, batches.context.shape[0])
+        grads, metrics = jax.lax.scan(micro, zeros, (batches, noises))
         grads = jax.tree.map(lambda g: g / batches.context.shape[0], grads)
         metrics = jax.tree.map(jnp.mean, metrics) | dict(grad_norm=optax.global_norm(grads))
         updates, opt_state = self.tx.update(grads, state["opt_state"], state["params"])

@@ -32,7 +32,7 @@ class TranslatorConfig:
     source_width: int  # input width per window layer: source kv_heads * head_dim, plus any target-side features
     target_width: int  # target kv_heads * head_dim
     window: int  # W: window layers translated together
-    kind: str = "mot"  # "mot" (the mixture) | "projector" (the C2C-Project baseline) | "linear" (linear skip alone)
+    kind: str = "mot"  # "mot" (the mixture) | "projector" (C2C-Project) | "linear" (linear skip alone) | "c2c" (C2C)
     dim: int = 1024  # projector: the hidden width is max(dim, target_width)
     heads: int = 16
     depth: int = 2  # R stages of W un-shared cross-attention blocks
@@ -81,13 +81,16 @@ def torch_std(fan_in):
 
 
 class CrossAttentionBlocks(nnx.Module):
-    """R x W un-shared blocks (leading axes [expert, block]); `__call__` is one block: g <- Block(g, ctx)."""
+    """R x W un-shared blocks (leading axes [expert, block]); `__call__` is one block: g <- Block(g, ctx); `chain`
+    runs them all."""
 
-    def __init__(self, cfg: TranslatorConfig, *, rngs, dtype):
+    def __init__(self, cfg: TranslatorConfig, *, rngs, dtype, experts=True):
+        """`experts=False`: no expert axis, the blocks of one chain (the C2C fuser's)."""
         D, hidden = cfg.dim, cfg.mlp_ratio * cfg.dim
-        kw = dict(
-            rngs=rngs, dtype=dtype, lead=(cfg.num_experts, cfg.depth * cfg.window), lead_names=("expert", "layers")
-        )
+        lead, names = (cfg.depth * cfg.window,), ("layers",)
+        if experts:
+            lead, names = (cfg.num_experts, *lead), ("expert", *names)
+        kw = dict(rngs=rngs, dtype=dtype, lead=lead, lead_names=names)
         self.heads = cfg.heads
         self.norm_q = LayerNorm(D, EPS, **kw)
         self.norm_ctx = LayerNorm(D, EPS, **kw)
@@ -146,20 +149,32 @@ class Experts(nnx.Module):
         visible = token_mask[:, None, :]  # [B, 1, T]
         if cfg.causal:
             visible = visible & (jnp.arange(t)[None, None, :] <= query_index[:, :, None])
-        graphdef, blocks = nnx.split(self.blocks)
-
-        def step(g, xs):
-            params, layer = xs  # block r * W + l reads window layer l
-            g = nnx.merge(graphdef, params)(g, jax.lax.dynamic_index_in_dim(context, layer, 2, False), visible)
-            return g, g
-
-        _, states = jax.lax.scan(step, g, (blocks, jnp.tile(jnp.arange(w), cfg.depth)))
-        last_stage = jnp.moveaxis(states[-w:], 0, 2)  # the last stage's W states: [B, C, W, D]
-        if cfg.fused_output:
-            y = self.output_proj(self.output_norm(last_stage.reshape(b, -1, w * cfg.dim)))
-        else:
-            proj = self.output_proj
-            y = jnp.einsum("bcwd,wdo->bcwo", self.output_norm(last_stage), proj.kernel[...]) + proj.bias[...]
+        last_stage = chain(self.blocks, g, context, visible, cfg.depth)
+        y = output_head(self.output_norm, self.output_proj, last_stage, cfg.fused_output)
         if cfg.output_activation == "gelu":
             y = gelu(y)
         return y.reshape(b, -1, w, cfg.target_width)
+
+
+def chain(blocks: CrossAttentionBlocks, g, context, visible, depth: int):
+    """The recurrent cross-layer chain (reference section 2) of one expert's blocks: from queries g [B, C, D],
+    `depth` stages of W blocks, block r * W + l attending to window layer l of context [B, T, W, D]; returns the last
+    stage's W states [B, C, W, D]."""
+    w = context.shape[2]
+    graphdef, params = nnx.split(blocks)
+
+    def step(g, xs):
+        params, layer = xs
+        g = nnx.merge(graphdef, params)(g, jax.lax.dynamic_index_in_dim(context, layer, 2, False), visible)
+        return g, g
+
+    _, states = jax.lax.scan(step, g, (params, jnp.tile(jnp.arange(w), depth)))
+    return jnp.moveaxis(states[-w:], 0, 2)
+
+
+def output_head(norm: LayerNorm, proj: Linear, states, fused: bool):
+    """The last stage's W states [B, C, W, D] to the output, before its activation: `fused` (paper) one LayerNorm
+    and projection of all W states together to all W layers, [B, C, W * dt]; else one per layer, [B, C, W, dt]."""
+    if fused:
+        return proj(norm(states.reshape(*states.shape[:2], -1)))
+    return jnp.einsum("bcwd,wdo->bcwo", norm(states), proj.kernel[...]) + proj.bias[...]

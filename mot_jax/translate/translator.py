@@ -25,7 +25,8 @@ attention sink every later token reads), and sparse attention always lets a quer
 measure what they are worth).
 
 `KVTranslator` holds the trainable parameters (a K and a V mixture, or projector, and with `linear_skip` a linear map
-per window layer beside each, set by least squares before training: `linear_skip.py`); `translate` is the jittable
+per window layer beside each, set by least squares before training: `linear_skip.py`; or C2C's K and V fusers,
+`c2c.py`, which add gated residuals to the target's own prefill: `fuse_receiver`); `translate` is the jittable
 function that training and evaluation share. The pipeline from text to a target cache (`read_source`,
 `CacheTranslator`) is `pipeline.py`.
 """
@@ -44,7 +45,7 @@ from mot_jax.models import decoder
 from mot_jax.models.base import CausalLM, Injection, first_valid_index, positions_from_mask
 from mot_jax.models.layers import apply_rope, param
 from mot_jax.translate import align as alignment_lib
-from mot_jax.translate import channels
+from mot_jax.translate import c2c, channels
 from mot_jax.translate.expert import TranslatorConfig
 from mot_jax.translate.mixture import MixtureOfTranslators
 from mot_jax.translate.projector import Projector
@@ -65,7 +66,8 @@ class NoMixture(nnx.Module):
         return jnp.zeros((*x.shape[:-1], self.width), x.dtype), {}
 
 
-KINDS = {"mot": MixtureOfTranslators, "projector": Projector, "linear": NoMixture}  # TranslatorConfig.kind -> module
+# TranslatorConfig.kind -> module
+KINDS = {"mot": MixtureOfTranslators, "projector": Projector, "linear": NoMixture, "c2c": c2c.ResidualCacheFuser}
 alignment_lib.register_pytree()  # alignments enter jitted code here
 
 
@@ -120,8 +122,11 @@ class TranslationSpec:
         native_bottom=0,
         inputs=("source",),
         outputs="kv",
+        fuse=False,
         **kwargs,
     ):
+        """`fuse` (kind='c2c'): a direct window of C2C's terminal alignment, the top min(Ls, Lt) layers of each side
+        paired from the top, in place of every target layer."""
         if mode not in MODES:
             raise MotJaxError(f"Unknown translation mode {mode!r}; use one of {', '.join(MODES)}.")
         if outputs not in OUTPUTS:
@@ -146,6 +151,9 @@ class TranslationSpec:
             layer_map = tuple(int(s) for s in channels.full_depth(num_source_layers, num_target_layers))
             source = layer_map[native_bottom:]
             target = tuple(range(native_bottom, num_target_layers))
+            if fuse:
+                top = channels.terminal(num_source_layers, num_target_layers, 1.0)
+                source, target = tuple(top.source), tuple(top.target)
         else:
             channel_map.validate(num_source_layers, num_target_layers)
             source, target = tuple(channel_map.source), tuple(channel_map.target)
@@ -178,8 +186,9 @@ class LinearSkip(nnx.Module):
 
 
 class KVTranslator(nnx.Module):
-    """Separate mixtures for K and V, as the paper (or, `cfg.kind="projector"`, the C2C-Project baseline's MLPs), and
-    with `cfg.linear_skip` a linear map beside each whose output is added to theirs."""
+    """Separate mixtures for K and V, as the paper (or, `cfg.kind="projector"`, the C2C-Project baseline's MLPs, or
+    `"c2c"`, C2C's fusers: `fuse`), and with `cfg.linear_skip` a linear map beside each whose output is added to
+    theirs."""
 
     def __init__(self, spec: TranslationSpec, cfg: TranslatorConfig, *, rngs, dtype=jnp.float32):
         if spec.rotary and cfg.output_activation != "none":
@@ -188,6 +197,8 @@ class KVTranslator(nnx.Module):
             raise MotJaxError(f"Unknown translator kind {cfg.kind!r}; use one of {', '.join(KINDS)}.")
         if cfg.kind == "linear" and not cfg.linear_skip:
             raise MotJaxError("kind='linear' is the linear skip alone; set linear_skip=True.")
+        if cfg.kind == "c2c":
+            c2c.check_fusable(spec, cfg)
         self.spec, self.cfg = spec, cfg
         if not spec.target_layers:  # native_bottom = L: nothing to translate (native context), no parameters
             return
@@ -203,6 +214,15 @@ class KVTranslator(nnx.Module):
         if self.cfg.linear_skip:
             k_out, v_out = k_out + self.key_skip(k), v_out + self.value_skip(v)
         return k_out, v_out, {"key": aux_k, "value": aux_v}
+
+    def fuse(self, own_k, own_v, k, v, mask, noise=None):
+        """kind='c2c': the receiver's window K/V own_k, own_v [B, T, W, dt] fused with the aligned source's k, v
+        [B, T, W, ds] -> fused k, v [B, T, W, dt] and the aux outputs, with "gate": the K and V gates [2, W]; `noise` a
+        `c2c.GateNoise` in training (split: K and V draw their own), None for the hard gate."""
+        k_noise, v_noise = (None, None) if noise is None else noise.split()
+        k_out, gate_k = self.key(own_k, k, mask, k_noise)
+        v_out, gate_v = self.value(own_v, v, mask, v_noise)
+        return k_out, v_out, {"key": {}, "value": {}, "gate": jnp.stack([gate_k, gate_v])}
 
 
 def rope_or_none(model: CausalLM):
@@ -316,13 +336,47 @@ def sparse_indices(spec: TranslationSpec, source_topk, alignment, first):
     return jnp.concatenate([keys, first.astype(keys.dtype)], -1)
 
 
+def fuse_receiver(translator, source, target, source_cache, alignment, target_ids, mask, capacity, receiver, noise):
+    """kind='c2c': the target's own prefill of its context (`receiver`, or run here) with its window layers' K/V
+    fused with the source's (`c2c.py`), in a cache of `capacity` slots; and the aux outputs (`KVTranslator.fuse`)."""
+    spec, t = translator.spec, target.config
+    batch, length = target_ids.shape
+    if receiver is None:
+        _, receiver, _ = target.run_layers(target_ids, mask, cache=target.init_cache(batch, capacity), fresh=True)
+    cache = receiver.with_capacity(capacity)
+    own = lambda kv: window_block(kv[..., :length, :], spec.target_layers)  # [B, T, W, Kt * dt]
+    k, v, aux = translator.fuse(
+        own(cache.k), own(cache.v), *window_inputs(spec, source, target, source_cache, alignment), mask, noise
+    )
+    heads = lambda y: to_cache(y.reshape(*y.shape[:3], t.num_kv_heads, t.head_dim), target)
+    layers = jnp.asarray(spec.target_layers)
+    return cache.replace(
+        k=cache.k.at[layers, :, :, :length].set(heads(k)), v=cache.v.at[layers, :, :, :length].set(heads(v))
+    ), aux
+
+
 def translate(
-    translator, source, target, source_cache, alignment, target_ids, target_mask, source_topk=None, capacity=None
+    translator,
+    source,
+    target,
+    source_cache,
+    alignment,
+    target_ids,
+    target_mask,
+    source_topk=None,
+    capacity=None,
+    receiver=None,
+    noise=None,
 ):
-    """Jittable core: the target cache (capacity slots, default T) for the target context, and the aux outputs."""
+    """Jittable core: the target cache (capacity slots, default T) for the target context, and the aux outputs.
+    kind='c2c' only: `receiver`, the target's own prefill of the context when the caller has it (else it runs
+    here), and `noise`, the training gate's (`c2c.GateNoise`; None: the hard gate)."""
     spec = translator.spec
     batch, length = target_ids.shape
     mask = target_mask.astype(bool)
+    if translator.cfg.kind == "c2c":
+        args = (target_ids, mask, capacity or length, receiver, noise)
+        return fuse_receiver(translator, source, target, source_cache, alignment, *args)
     cache = target.init_cache(batch, capacity or length)
     if spec.mode == "direct":
         cache, features = run_native_bottom(spec, target, target_ids, mask, cache)
