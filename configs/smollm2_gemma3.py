@@ -2,42 +2,47 @@
 
 The argument picks the run, as a comma list: `replay` (default) or `direct`; `single` (one translator, N=1),
 `projector` (the C2C-Project baseline) or `c2c` (the C2C fuser: the target prefills its context and adds gated
-residuals from the source's K/V at its layers; direct, suffix CE only) in place of the mixture; `skip` for a
-least-squares-started linear skip beside the mixtures (with keys translated un-rotated and no output GELU);
-`reverse` for Gemma-3 -> SmolLM2; `tiny` to run it on tiny random models in seconds.
+residuals from the source's K/V at its layers; direct, suffix CE only) or `lsc` (the LSC baseline: every source
+layer's K/V through a shared latent into every target layer's, at the reference's sizes; direct, suffix CE only) in
+place of the mixture; `skip` for a least-squares-started linear skip beside the mixtures (with keys translated
+un-rotated and no output GELU); `reverse` for Gemma-3 -> SmolLM2; `tiny` to run it on tiny random models in seconds.
 
     python -m mot_jax.train --config=configs/smollm2_gemma3.py:replay --workdir=$HOME/runs/s2g_replay
     python -m mot_jax.train --config=configs/smollm2_gemma3.py:direct,reverse --workdir=$HOME/runs/g2s_direct
     python -m mot_jax.train --config=configs/smollm2_gemma3.py:c2c --workdir=$HOME/runs/s2g_c2c  # time unmeasured
+    python -m mot_jax.train --config=configs/smollm2_gemma3.py:lsc --workdir=$HOME/runs/s2g_lsc  # time unmeasured
 
 Contexts of 191 target tokens (BOS first) like the evaluation passages (~190 tokens with the instruction), a
 64-token prompt, 4 sequences per step; a mixture of 2 experts (k=1, one block per layer) over the top 30% of the
 target's layers (`replay`, dim 256) or over all of them (`direct`, dim 96). Time on a shared 2-core CPU, 200 steps:
-replay ~20 minutes, direct ~12 (the first run also converts both models and prepares the corpus). Measured results
-and the evaluation commands: RESULTS.md.
+replay ~20 minutes, direct ~12 (the first run also converts both models and prepares the corpus). `lsc` at the
+reference's sizes (translator dim 512, 16 heads, ratio 4, 32 x 128 latent) has 589M trainable parameters (K and V;
+AdamW's state alone ~7 GB in fp32): far slower, unmeasured. Measured results and the evaluation commands: RESULTS.md.
 """
 
 from mot_jax.errors import MotJaxError
 from mot_jax.training.config import base, tiny
 
-CHOICES = ("replay", "direct", "single", "projector", "c2c", "skip", "reverse", "tiny")
-KINDS = ("single", "projector", "c2c")  # at most one: what replaces the mixture
+CHOICES = ("replay", "direct", "single", "projector", "c2c", "lsc", "skip", "reverse", "tiny")
+KINDS = ("single", "projector", "c2c", "lsc")  # at most one: what replaces the mixture
+DIRECT_ONLY = ("c2c", "lsc")
 
 
 def get_config(arg=None):
     parts = [p for p in (arg or "").split(",") if p]
     unknown = [p for p in parts if p not in CHOICES]
     kinds = [p for p in parts if p in KINDS]
-    if unknown or ("replay" in parts and "direct" in parts) or len(kinds) > 1 or ("c2c" in parts and "replay" in parts):
+    direct = "direct" in parts or any(k in parts for k in DIRECT_ONLY)
+    if unknown or ("replay" in parts and direct) or len(kinds) > 1:
         raise MotJaxError(
             f"Bad config argument {arg!r}; pass a comma list of {', '.join(CHOICES)} with at most one of "
-            "replay/direct and one of single/projector/c2c (c2c runs direct)."
+            "replay/direct and one of single/projector/c2c/lsc (c2c and lsc run direct)."
         )
     c = base()
     c.source, c.target = "smollm2-135m", "gemma3-270m"
     if "reverse" in parts:
         c.source, c.target = c.target, c.source
-    c.translator.mode = "direct" if "direct" in parts or "c2c" in parts else "replay"
+    c.translator.mode = "direct" if direct else "replay"
     c.translator.channels.mode = "terminal"
     c.translator.channels.ratio = 0.3  # replay: the top 30% of the target's layers; direct translates every layer
     c.translator.update(dim=256, heads=4, depth=1, mlp_ratio=2, num_experts=2, top_k=1)
@@ -51,6 +56,9 @@ def get_config(arg=None):
         c.translator.kind = "projector"
     if "c2c" in parts:  # the reference's C2C: its loss is the suffix CE alone
         c.translator.kind, c.loss.correction_weight = "c2c", 0.0
+    if "lsc" in parts:  # the reference's LSC and its sizes; its loss is the suffix CE alone
+        c.translator.update(kind="lsc", dim=512, heads=16, mlp_ratio=4, shared_slots=32, shared_dim=128)
+        c.loss.correction_weight = 0.0
     if "skip" in parts:
         c.translator.update(linear_skip=True, rotary=True, output_activation="none")
     c.data.total_tokens, c.data.prefix_tokens, c.data.source_length = 256, 192, 256
@@ -61,4 +69,6 @@ def get_config(arg=None):
     if "tiny" in parts:
         families = ("llama", "gemma3")
         tiny(c, *(reversed(families) if "reverse" in parts else families))
+        if "lsc" in parts:
+            c.translator.update(shared_slots=4, shared_dim=8)
     return c

@@ -110,7 +110,8 @@ def test_workdir_round_trip_export_and_resume_with_another_kind(tmp_path):
 
 
 def test_runs_saved_before_the_kind_and_linear_skip_keys_still_resume_as_mixtures_without_skip(tmp_path):
-    current = {"translator": {"dim": 32, "kind": "mot", "linear_skip": False}}
+    lsc = dict(shared_slots=32, shared_dim=128, source_window=0)  # kind="lsc"'s fields, added later
+    current = {"translator": {"dim": 32, "kind": "mot", "linear_skip": False} | lsc}
     check_identity({"translator": {"dim": 32}}, current, tmp_path)  # no error
     for changed in ({"kind": "projector"}, {"linear_skip": True}):
         with pytest.raises(MotJaxError, match="differs in: translator"):

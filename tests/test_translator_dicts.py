@@ -17,7 +17,10 @@ SPECS = [
 ]
 CONFIGS = [TranslatorConfig(24, 16, 3, dim=32, heads=4), TranslatorConfig(8, 8, 4, kind="projector", linear_skip=True)]
 # the fields added after runs were saved (a saved dict without them is one of those runs)
-ADDED = {TranslationSpec: ("native_bottom", "inputs", "outputs"), TranslatorConfig: ("kind", "linear_skip")}
+ADDED = {
+    TranslationSpec: ("native_bottom", "inputs", "outputs"),
+    TranslatorConfig: ("kind", "linear_skip", "shared_slots", "shared_dim", "source_window"),
+}
 
 
 def through_json(d: dict) -> dict:

@@ -224,6 +224,8 @@ def method_name(config) -> str:
         name = f"C2C-Project ({t.mode})"
     elif t.get("kind") == "c2c":  # its target reads the context itself: its TTFT (translation) holds that prefill
         name = "C2C"
+    elif t.get("kind") == "lsc":  # always direct: every target layer from the shared latent
+        name = "LSC"
     elif t.get("kind") == "linear":
         name = f"linear translator ({t.mode})"
     else:

@@ -50,6 +50,8 @@ def translator_tensors(translator, source=None, target=None) -> dict[str, np.nda
 
 def translator_config(translator, source, target) -> dict:
     """JSON-serialisable: the TranslatorConfig and TranslationSpec fields and the two models' cache shapes."""
+    if translator.cfg.kind == "lsc":
+        raise MotJaxError("The PyTorch export does not cover kind='lsc' yet; evaluate this translator in JAX.")
     spec = translator.spec.to_dict()
     reads_target = spec.pop("native_bottom") or tuple(spec.pop("inputs")) != ("source",)
     if reads_target or spec.pop("outputs") != "kv" or translator.cfg.kind == "linear":

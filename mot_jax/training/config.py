@@ -43,7 +43,9 @@ def base() -> ml_collections.ConfigDict:
     # and the reference's c2c-pr has output_activation="none"; mode="direct" projects every target layer) | linear
     # (ours: the least-squares-started linear skip alone, no mixture; needs linear_skip=True) | c2c (the C2C fuser:
     # the target's own prefill plus gated residuals from the source's K/V over the top min(Ls, Lt) layers; needs
-    # mode="direct", and the reference trains it with loss.correction_weight=0)
+    # mode="direct", and the reference trains it with loss.correction_weight=0) | lsc (the LSC baseline: every source
+    # layer's K/V through a shared latent of shared_slots x shared_dim per token into every target layer's; the same
+    # needs and loss)
     c.translator.kind = "mot"
     c.translator.dim = 1024
     c.translator.heads = 16
@@ -57,6 +59,8 @@ def base() -> ml_collections.ConfigDict:
     c.translator.top_k = 1
     c.translator.dispatch = "sparse"  # sparse (real top-k dispatch) | dense (the reference)
     c.translator.capacity_factor = 1.25
+    c.translator.shared_slots = 32  # lsc: the latent per token (reference: 32 slots x 128)
+    c.translator.shared_dim = 128
     # ours: beside each mixture a linear map per window layer from the aligned source K (or V) to the target's, added
     # to the mixture's output and set by least squares on the first skip_fit_batches training batches before step 1
     c.translator.linear_skip = False

@@ -112,6 +112,7 @@ def translation(config, channel_map, pair: Pair, **overrides) -> tuple[Translati
         inputs=tuple(i.strip() for i in t.inputs.split(",") if i.strip()),
         outputs=t.outputs,
         fuse=t.kind == "c2c",
+        every_source_layer=t.kind == "lsc",
         sparse_attention=t.sparse_attention,
         k_attn=t.k_attn,
         dense_bottom=t.dense_bottom,

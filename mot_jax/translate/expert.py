@@ -33,6 +33,7 @@ class TranslatorConfig:
     target_width: int  # target kv_heads * head_dim
     window: int  # W: window layers translated together
     kind: str = "mot"  # "mot" (the mixture) | "projector" (C2C-Project) | "linear" (linear skip alone) | "c2c" (C2C)
+    # | "lsc" (LSC: `lsc.py`)
     dim: int = 1024  # projector: the hidden width is max(dim, target_width)
     heads: int = 16
     depth: int = 2  # R stages of W un-shared cross-attention blocks
@@ -45,6 +46,9 @@ class TranslatorConfig:
     dispatch: str = "sparse"  # "sparse" (only routed tokens' queries) | "dense" (every expert on every token)
     capacity_factor: float = 1.25  # sparse: the first slot count per expert and row, ceil(factor * k * T / N)
     linear_skip: bool = False  # ours: a linear map per window layer beside the translator, fitted by least squares
+    shared_slots: int = 32  # lsc: the latent per token, shared_slots x shared_dim (reference: 32 x 128)
+    shared_dim: int = 128
+    source_window: int = 0  # lsc: the source layers it reads (every one: mixture_config); 0 for the others (window)
 
     @property
     def router_hidden(self):
@@ -63,7 +67,7 @@ class TranslatorConfig:
     def with_added_fields(saved: dict) -> dict:
         """A saved dict plus the fields added after runs were saved, at the value those runs had, so that they
         still resume and load (fixed here: a later change of a default must not change an old run)."""
-        return dict(kind="mot", linear_skip=False) | saved
+        return dict(kind="mot", linear_skip=False, shared_slots=32, shared_dim=128, source_window=0) | saved
 
     def capacities(self, length):
         """Sparse dispatch's query slot counts per expert and row below `length`, smallest first: the factor's

@@ -26,7 +26,8 @@ measure what they are worth).
 
 `KVTranslator` holds the trainable parameters (a K and a V mixture, or projector, and with `linear_skip` a linear map
 per window layer beside each, set by least squares before training: `linear_skip.py`; or C2C's K and V fusers,
-`c2c.py`, which add gated residuals to the target's own prefill: `fuse_receiver`); `translate` is the jittable
+`c2c.py`, which add gated residuals to the target's own prefill: `fuse_receiver`; or LSC's, `lsc.py`, every source
+layer through a shared latent into every target layer); `translate` is the jittable
 function that training and evaluation share. The pipeline from text to a target cache (`read_source`,
 `CacheTranslator`) is `pipeline.py`.
 """
@@ -45,7 +46,7 @@ from mot_jax.models import decoder
 from mot_jax.models.base import CausalLM, Injection, first_valid_index, positions_from_mask
 from mot_jax.models.layers import apply_rope, param
 from mot_jax.translate import align as alignment_lib
-from mot_jax.translate import c2c, channels
+from mot_jax.translate import c2c, channels, lsc
 from mot_jax.translate.expert import TranslatorConfig
 from mot_jax.translate.mixture import MixtureOfTranslators
 from mot_jax.translate.projector import Projector
@@ -67,7 +68,13 @@ class NoMixture(nnx.Module):
 
 
 # TranslatorConfig.kind -> module
-KINDS = {"mot": MixtureOfTranslators, "projector": Projector, "linear": NoMixture, "c2c": c2c.ResidualCacheFuser}
+KINDS = {
+    "mot": MixtureOfTranslators,
+    "projector": Projector,
+    "linear": NoMixture,
+    "c2c": c2c.ResidualCacheFuser,
+    "lsc": lsc.LatentTranslator,
+}
 alignment_lib.register_pytree()  # alignments enter jitted code here
 
 
@@ -123,10 +130,13 @@ class TranslationSpec:
         inputs=("source",),
         outputs="kv",
         fuse=False,
+        every_source_layer=False,
         **kwargs,
     ):
         """`fuse` (kind='c2c'): a direct window of C2C's terminal alignment, the top min(Ls, Lt) layers of each side
-        paired from the top, in place of every target layer."""
+        paired from the top, in place of every target layer. `every_source_layer` (kind='lsc'): a direct window that
+        reads all source layers in order (not the full-depth map's one per target layer) and writes every target
+        layer."""
         if mode not in MODES:
             raise MotJaxError(f"Unknown translation mode {mode!r}; use one of {', '.join(MODES)}.")
         if outputs not in OUTPUTS:
@@ -154,6 +164,8 @@ class TranslationSpec:
             if fuse:
                 top = channels.terminal(num_source_layers, num_target_layers, 1.0)
                 source, target = tuple(top.source), tuple(top.target)
+            if every_source_layer:
+                source = tuple(range(num_source_layers))
         else:
             channel_map.validate(num_source_layers, num_target_layers)
             source, target = tuple(channel_map.source), tuple(channel_map.target)
@@ -168,7 +180,7 @@ def mixture_config(spec: TranslationSpec, source: CausalLM, target: CausalLM, **
         source_width=s.num_kv_heads * s.head_dim * spec.reads_source + target_features,
         target_width=t.hidden_size if spec.outputs == "hidden" else t.num_kv_heads * t.head_dim,
         window=len(spec.target_layers),
-        **kwargs,
+        **kwargs | dict(source_window=len(spec.source_layers) if kwargs.get("kind") == "lsc" else 0),
     )
 
 
@@ -186,9 +198,9 @@ class LinearSkip(nnx.Module):
 
 
 class KVTranslator(nnx.Module):
-    """Separate mixtures for K and V, as the paper (or, `cfg.kind="projector"`, the C2C-Project baseline's MLPs, or
-    `"c2c"`, C2C's fusers: `fuse`), and with `cfg.linear_skip` a linear map beside each whose output is added to
-    theirs."""
+    """Separate mixtures for K and V, as the paper (or, `cfg.kind="projector"`, the C2C-Project baseline's MLPs,
+    `"c2c"`, C2C's fusers: `fuse`, or `"lsc"`, LSC's latent translators, all source layers to all target layers), and
+    with `cfg.linear_skip` a linear map beside each whose output is added to theirs."""
 
     def __init__(self, spec: TranslationSpec, cfg: TranslatorConfig, *, rngs, dtype=jnp.float32):
         if spec.rotary and cfg.output_activation != "none":
@@ -199,6 +211,8 @@ class KVTranslator(nnx.Module):
             raise MotJaxError("kind='linear' is the linear skip alone; set linear_skip=True.")
         if cfg.kind == "c2c":
             c2c.check_fusable(spec, cfg)
+        if cfg.kind == "lsc":
+            lsc.check_spec(spec, cfg)
         self.spec, self.cfg = spec, cfg
         if not spec.target_layers:  # native_bottom = L: nothing to translate (native context), no parameters
             return

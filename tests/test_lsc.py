@@ -1,0 +1,193 @@
+"""The LSC baseline (`translator.kind="lsc"`): the reference's shapes and defaults and a closed-form parameter count,
+the forward against an independent numpy LSC, the switches it refuses, and a tiny run that trains and resumes."""
+
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from scipy.special import erf
+from test_export_torch import perturb
+from test_train_run import load_config
+
+from mot_jax.errors import MotJaxError
+from mot_jax.evals.methods import method_name
+from mot_jax.export.weights import translator_config
+from mot_jax.jit import jit
+from mot_jax.training import loop
+from mot_jax.training.trained import load_trained
+from mot_jax.translate import channels, lsc
+from mot_jax.translate.expert import TranslatorConfig
+from mot_jax.translate.translator import KVTranslator, TranslationSpec, mixture_config
+
+# 3 source layers of K width 12 into 2 target layers of width 8, through a latent of 3 slots x 4 per token
+TINY = dict(kind="lsc", dim=16, heads=2, mlp_ratio=2, shared_slots=3, shared_dim=4, source_window=3)
+
+
+@jit
+def forward(module, x, mask):
+    return module(x, mask)
+
+
+def block_params(d, r):
+    """One cross-attention block: 3 LayerNorms, the packed q/k/v and output projections, the FFN (all with bias)."""
+    return 3 * 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * r * d + r * d) + (r * d * d + d)
+
+
+def lsc_params(ls, ds, lt, dt, d, r, slots, dim):
+    """The reference's LocalToSharedTranslator (source) plus SharedToLocalTranslator (target), from the layer shapes."""
+    latent = slots * dim
+    encoder = 2 * ds + (ds * d + d) + ls * block_params(d, r) + 2 * ls * d + (ls * d * latent + latent)
+    decoder = (
+        2 * latent + (latent * lt * d + lt * d) + lt * block_params(d, r) + 2 * lt * d + (lt * d * lt * dt + lt * dt)
+    )
+    return encoder + decoder
+
+
+def numpy_lsc(p, x, heads, output_gelu=True):
+    """The reference's local -> shared then shared -> local (alg/lsc/train.py) written out in float64 numpy, unmasked:
+    x [B, T, Ls, ds] -> (latent [B, T, slots * dim], y [B, T, Lt * dt])."""
+    p = jax.tree.map(lambda a: np.asarray(a, np.float64), p)
+    gelu = lambda a: 0.5 * a * (1 + erf(a / np.sqrt(2)))
+    ln = lambda x, n: (
+        (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + 1e-5) * n["scale"] + n["bias"]
+    )
+    lin = lambda x, m: x @ m["kernel"] + m["bias"]
+
+    def block(b, g, ctx):
+        d = g.shape[-1]
+        w, bias = b["in_proj"]["kernel"], b["in_proj"]["bias"]
+        q, kv = ln(g, b["norm_q"]), ln(ctx, b["norm_ctx"])
+        split = lambda a: a.reshape(*a.shape[:2], heads, d // heads)
+        q, k, v = (split(x @ w[:, i * d : (i + 1) * d] + bias[i * d : (i + 1) * d]) for i, x in enumerate((q, kv, kv)))
+        logits = np.einsum("bchd,bthd->bhct", q, k) / np.sqrt(d // heads)
+        probs = np.exp(logits - logits.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        g = g + lin(np.einsum("bhct,bthd->bchd", probs, v).reshape(g.shape), b["out_proj"])
+        return g + lin(gelu(lin(ln(g, b["norm_ffn"]), b["fc1"])), b["fc2"])
+
+    def layer_chain(blocks, context):  # the hidden state starts at layer 0; block l reads layer l
+        hidden, collected = context[:, :, 0], []
+        for layer in range(context.shape[2]):
+            hidden = block(jax.tree.map(lambda a, i=layer: a[i], blocks), hidden, context[:, :, layer])
+            collected.append(hidden)
+        return np.concatenate(collected, -1)
+
+    enc, dec = p["to_shared"], p["from_shared"]
+    projected = gelu(lin(ln(x, enc["input_norm"]), enc["input_proj"]))
+    latent = gelu(lin(ln(layer_chain(enc["blocks"], projected), enc["output_norm"]), enc["output_proj"]))
+    expanded = gelu(lin(ln(latent, dec["input_norm"]), dec["input_proj"]))
+    expanded = expanded.reshape(*expanded.shape[:2], dec["blocks"]["norm_q"]["scale"].shape[0], -1)
+    y = lin(ln(layer_chain(dec["blocks"], expanded), dec["output_norm"]), dec["output_proj"])
+    return latent, gelu(y) if output_gelu else y
+
+
+def test_reference_defaults_shapes_and_parameter_count():
+    cfg = TranslatorConfig(12, 8, 2, **TINY)
+    assert (TranslatorConfig(1, 1, 1).shared_slots, TranslatorConfig(1, 1, 1).shared_dim) == (32, 128)
+    module = lsc.LatentTranslator(cfg, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (2, 5, 3, 12))
+    visible = jnp.ones((2, 1, 5), bool)
+    assert module.to_shared(x, visible).shape == (2, 5, 3, 4)  # slots x dim per token
+    y, aux = forward(module, x, jnp.ones((2, 5), bool))
+    assert y.shape == (2, 5, 2, 8) and aux == {}
+    assert module.to_shared.blocks.in_proj.kernel.shape == (3, 16, 48)  # one un-shared block per source layer
+    assert module.from_shared.blocks.in_proj.kernel.shape == (2, 16, 48)  # and per target layer
+    count = sum(a.size for a in jax.tree.leaves(nnx.state(module, nnx.Param)))
+    assert count == lsc_params(3, 12, 2, 8, d=16, r=2, slots=3, dim=4)
+    # the reference's sizes: translator dim 512, ratio 4, 32 x 128, on SmolLM2 (30 x 192) -> Gemma-3 (18 x 256)
+    big = TranslatorConfig(192, 256, 18, kind="lsc", dim=512, heads=16, mlp_ratio=4, source_window=30)
+    abstract = nnx.eval_shape(lambda: lsc.LatentTranslator(big, rngs=nnx.Rngs(0)))
+    count = sum(a.size for a in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
+    assert count == lsc_params(30, 192, 18, 256, d=512, r=4, slots=32, dim=128)
+    # the spec reads every source layer and writes every target layer; the config knows both depths
+    for ls, lt in ((6, 4), (4, 6)):
+        spec = TranslationSpec.build("direct", None, ls, lt, every_source_layer=True)
+        assert spec.source_layers == tuple(range(ls)) and spec.target_layers == tuple(range(lt))
+    model = lambda kv_heads, head_dim: SimpleNamespace(
+        config=SimpleNamespace(num_kv_heads=kv_heads, head_dim=head_dim, hidden_size=32)
+    )
+    source, target = model(3, 4), model(1, 8)
+    tcfg = mixture_config(spec, source, target, kind="lsc")  # 4 source layers, 6 target layers
+    assert (tcfg.source_width, tcfg.target_width, tcfg.source_window, tcfg.window) == (12, 8, 4, 6)
+    assert mixture_config(spec, source, target).source_window == 0  # the other kinds: unchanged
+    named = load_config("smollm2_gemma3.py", "lsc").translator  # the reference's sizes
+    assert [named[k] for k in ("dim", "heads", "mlp_ratio", "shared_slots", "shared_dim")] == [512, 16, 4, 32, 128]
+    assert method_name(load_config("smollm2_gemma3.py", "lsc")) == "LSC"
+
+
+@pytest.mark.parametrize("output_activation", ["gelu", "none"])
+def test_forward_equals_the_reference_in_numpy(output_activation):
+    cfg = TranslatorConfig(12, 8, 2, **TINY, output_activation=output_activation)
+    module = lsc.LatentTranslator(cfg, rngs=nnx.Rngs(0))
+    perturb(module, seed=1)
+    x = jax.random.normal(jax.random.key(2), (2, 5, 3, 12))
+    latent, want = numpy_lsc(
+        nnx.to_pure_dict(nnx.state(module, nnx.Param)), np.asarray(x), 2, output_activation == "gelu"
+    )
+    got, _ = forward(module, x, jnp.ones((2, 5), bool))
+    np.testing.assert_allclose(got, want.reshape(2, 5, 2, 8), atol=1e-5, rtol=1e-5)
+    got_latent = jit(lambda m, x: m.to_shared(x, jnp.ones((2, 1, 5), bool)))(module, x)
+    np.testing.assert_allclose(got_latent.reshape(2, 5, -1), latent, atol=1e-5, rtol=1e-5)
+    if output_activation == "gelu":  # padding is hidden: the first 3 tokens of 5 as 3 tokens alone
+        padded, _ = forward(module, x, jnp.broadcast_to(jnp.arange(5) < 3, (2, 5)))
+        alone, _ = forward(module, x[:, :3], jnp.ones((2, 3), bool))
+        np.testing.assert_allclose(padded[:, :3], alone, atol=1e-5, rtol=1e-5)
+
+
+def test_refused_switches_in_one_line():
+    cfg = TranslatorConfig(8, 8, 4, **(TINY | dict(source_window=4)))
+    build = lambda **kw: TranslationSpec.build("direct", None, 4, 4, every_source_layer=True, **kw)
+    replay = TranslationSpec.build("replay", channels.terminal(4, 4, 0.5), 4, 4)
+    for spec, why in (
+        (replay, "no replay"),
+        (build(native_bottom=1), "native_bottom=0"),
+        (build(outputs="hidden"), "outputs='kv'"),
+        (build(inputs=("source", "embeddings")), "inputs='source'"),
+        (TranslationSpec.build("direct", None, 6, 4), "every_source_layer=True"),  # the full-depth map: 4 of 6
+    ):
+        with pytest.raises(MotJaxError, match=f"^kind='lsc' .*{why}.*\\.$"):
+            KVTranslator(spec, cfg, rngs=nnx.Rngs(0))
+    with pytest.raises(MotJaxError, match="^kind='lsc' has no linear skip"):
+        KVTranslator(
+            build(), TranslatorConfig(8, 8, 4, **(TINY | dict(source_window=4, linear_skip=True))), rngs=nnx.Rngs(0)
+        )
+    with pytest.raises(MotJaxError, match="^kind='lsc' .* set source_window"):
+        KVTranslator(build(), TranslatorConfig(8, 8, 4, **TINY), rngs=nnx.Rngs(0))  # 3 source layers, spec 4
+    for arg in ("lsc,replay", "lsc,c2c"):
+        with pytest.raises(MotJaxError, match="Bad config argument"):
+            load_config("smollm2_gemma3.py", arg)
+    translator = KVTranslator(build(), cfg, rngs=nnx.Rngs(0))
+    with pytest.raises(MotJaxError, match="^The PyTorch export does not cover kind='lsc' yet"):
+        translator_config(translator, None, None)
+
+
+@pytest.mark.slow
+def test_a_tiny_run_trains_and_resumes(tmp_path, monkeypatch):
+    """smollm2_gemma3.py:lsc,tiny: 2 steps at once and 2 stopped after step 1 and resumed give the same
+    translators."""
+    config = load_config("smollm2_gemma3.py", "lsc,tiny", steps=2, checkpoint_every=1)
+    t = config.translator
+    assert (t.kind, t.mode, config.loss.correction_weight) == ("lsc", "direct", 0)
+    whole = loop.train_and_evaluate(config, tmp_path / "whole")
+    step, calls = loop.Trainer.train_step, []
+
+    def interrupted(self, batches):  # Ctrl-C as step 2 starts
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return step(self, batches)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(loop.Trainer, "train_step", interrupted)
+        with pytest.raises(loop.Interrupted, match="interrupted after step 1"):
+            loop.train_and_evaluate(config, tmp_path / "resumed")
+    loop.train_and_evaluate(config, tmp_path / "resumed")
+    trained = [load_trained(tmp_path / name).translator for name in ("whole", "resumed")]
+    assert isinstance(trained[0].key, lsc.LatentTranslator)
+    assert trained[0].spec.source_layers == tuple(range(trained[0].cfg.source_window))  # every source layer
+    for a, b in zip(*(jax.tree.leaves(nnx.state(t, nnx.Param)) for t in trained), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
+    assert np.isfinite(whole["final_validation"]["loss"])
