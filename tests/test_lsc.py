@@ -31,6 +31,14 @@ def forward(module, x, mask):
     return module(x, mask)
 
 
+@jit
+def outputs(module, x, other):
+    """x's latent and output with every token visible, then x's and `other`'s outputs with tokens 3 and up hidden."""
+    every = jnp.ones(x.shape[:2], bool)
+    first = every.at[:, 3:].set(False)
+    return module.to_shared(x, every[:, None, :]), module(x, every)[0], module(x, first)[0], module(other, first)[0]
+
+
 def block_params(d, r):
     """One cross-attention block: 3 LayerNorms, the packed q/k/v and output projections, the FFN (all with bias)."""
     return 3 * 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * r * d + r * d) + (r * d * d + d)
@@ -127,14 +135,13 @@ def test_forward_equals_the_reference_in_numpy(output_activation):
     latent, want = numpy_lsc(
         nnx.to_pure_dict(nnx.state(module, nnx.Param)), np.asarray(x), 2, output_activation == "gelu"
     )
-    got, _ = forward(module, x, jnp.ones((2, 5), bool))
-    np.testing.assert_allclose(got, want.reshape(2, 5, 2, 8), atol=1e-5, rtol=1e-5)
-    got_latent = jit(lambda m, x: m.to_shared(x, jnp.ones((2, 1, 5), bool)))(module, x)
+    other = x.at[:, 3:].set(jax.random.normal(jax.random.key(3), (2, 2, 3, 12)))  # other values at tokens 3, 4
+    got_latent, got, padded, other_padded = outputs(module, x, other)
     np.testing.assert_allclose(got_latent.reshape(2, 5, -1), latent, atol=1e-5, rtol=1e-5)
-    if output_activation == "gelu":  # padding is hidden: the first 3 tokens of 5 as 3 tokens alone
-        padded, _ = forward(module, x, jnp.broadcast_to(jnp.arange(5) < 3, (2, 5)))
-        alone, _ = forward(module, x[:, :3], jnp.ones((2, 3), bool))
-        np.testing.assert_allclose(padded[:, :3], alone, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(got, want.reshape(2, 5, 2, 8), atol=1e-5, rtol=1e-5)
+    # padding is hidden: with tokens 3, 4 masked, the others do not see them
+    np.testing.assert_allclose(padded[:, :3], other_padded[:, :3], atol=1e-6, rtol=0)
+    assert not np.allclose(padded[:, :3], got[:, :3], atol=1e-4)
 
 
 def test_refused_switches_in_one_line():
