@@ -13,6 +13,7 @@ from test_evaluate import small_config
 from test_export_pipeline import NEW_TOKENS, TEXT, hf_model, jax_greedy
 from test_export_torch import perturb
 from test_train_run import load_config
+from training_helpers import whole_and_resumed
 
 from mot_jax.errors import MotJaxError
 from mot_jax.evals import run
@@ -21,8 +22,6 @@ from mot_jax.export.torch_pipeline import CachePipeline
 from mot_jax.export.torch_translator import KVTranslator as TorchKVTranslator
 from mot_jax.jit import jit
 from mot_jax.models.base import generate_from_cache, prefill
-from mot_jax.training import loop
-from mot_jax.training.trained import load_trained
 from mot_jax.translate import align as alignment_lib
 from mot_jax.translate import c2c
 from mot_jax.translate.expert import TranslatorConfig
@@ -171,21 +170,7 @@ def test_a_tiny_run_trains_resumes_and_evaluates(tmp_path, monkeypatch):
     shuffled-source control, and times the receiver's own prefill in its TTFT."""
     config = load_config("smollm2_gemma3.py", "c2c,tiny", steps=4, eval_every=2, checkpoint_every=2)
     assert config.translator.kind == "c2c" and config.loss.correction_weight == 0
-    whole = loop.train_and_evaluate(config, tmp_path / "whole")
-    step, calls = loop.Trainer.train_step, []
-
-    def interrupted(self, batches):  # Ctrl-C as step 3 starts
-        calls.append(1)
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        return step(self, batches)
-
-    with monkeypatch.context() as patch:
-        patch.setattr(loop.Trainer, "train_step", interrupted)
-        with pytest.raises(loop.Interrupted, match="interrupted after step 2"):
-            loop.train_and_evaluate(config, tmp_path / "resumed")
-    loop.train_and_evaluate(config, tmp_path / "resumed")
-    trained = [load_trained(tmp_path / name).translator for name in ("whole", "resumed")]
+    whole, trained = whole_and_resumed(config, tmp_path, monkeypatch, stop_after=2)
     assert isinstance(trained[0].key, c2c.ResidualCacheFuser)
     for a, b in zip(*(jax.tree.leaves(nnx.state(t, nnx.Param)) for t in trained), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)

@@ -11,13 +11,12 @@ from flax import nnx
 from scipy.special import erf
 from test_export_torch import perturb
 from test_train_run import load_config
+from training_helpers import whole_and_resumed
 
 from mot_jax.errors import MotJaxError
 from mot_jax.evals.methods import method_name
 from mot_jax.export.weights import translator_config
 from mot_jax.jit import jit
-from mot_jax.training import loop
-from mot_jax.training.trained import load_trained
 from mot_jax.translate import channels, lsc
 from mot_jax.translate.expert import TranslatorConfig
 from mot_jax.translate.translator import KVTranslator, TranslationSpec, mixture_config
@@ -178,21 +177,7 @@ def test_a_tiny_run_trains_and_resumes(tmp_path, monkeypatch):
     config = load_config("smollm2_gemma3.py", "lsc,tiny", steps=2, checkpoint_every=1)
     t = config.translator
     assert (t.kind, t.mode, config.loss.correction_weight) == ("lsc", "direct", 0)
-    whole = loop.train_and_evaluate(config, tmp_path / "whole")
-    step, calls = loop.Trainer.train_step, []
-
-    def interrupted(self, batches):  # Ctrl-C as step 2 starts
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return step(self, batches)
-
-    with monkeypatch.context() as patch:
-        patch.setattr(loop.Trainer, "train_step", interrupted)
-        with pytest.raises(loop.Interrupted, match="interrupted after step 1"):
-            loop.train_and_evaluate(config, tmp_path / "resumed")
-    loop.train_and_evaluate(config, tmp_path / "resumed")
-    trained = [load_trained(tmp_path / name).translator for name in ("whole", "resumed")]
+    whole, trained = whole_and_resumed(config, tmp_path, monkeypatch, stop_after=1)
     assert isinstance(trained[0].key, lsc.LatentTranslator)
     assert trained[0].spec.source_layers == tuple(range(trained[0].cfg.source_window))  # every source layer
     for a, b in zip(*(jax.tree.leaves(nnx.state(t, nnx.Param)) for t in trained), strict=True):
