@@ -10,7 +10,7 @@ import torch
 from flax import nnx
 from scipy.special import erf
 from test_evaluate import small_config
-from test_export_pipeline import NEW_TOKENS, TEXT, hf_model, jax_greedy
+from test_export_pipeline import NEW_TOKENS, TEXT, assert_hf_cache_and_generation, hf_model, jax_greedy
 from test_export_torch import perturb
 from test_train_run import load_config
 from training_helpers import whole_and_resumed
@@ -238,19 +238,4 @@ def test_transformers_generation_from_the_exported_fusion_equals_mot_jax(pair, t
     weights.export(translator, source, target, tmp_path / "exported")
     exported = TorchKVTranslator.from_pretrained(tmp_path / "exported")
     cache = CachePipeline(source_hf, target_hf, source_tok, target_tok, exported).from_target_ids(ids, mask)
-    length = ids.shape[1]
-    for layer, hf_layer in enumerate(cache.layers):  # Gemma-3's sliding layers keep only their window's last slots
-        kept = slice(length - hf_layer.keys.shape[2], length)
-        np.testing.assert_allclose(hf_layer.keys.numpy(), np.asarray(jax_cache.k[layer, :, :, kept]), atol=1e-4)
-        np.testing.assert_allclose(hf_layer.values.numpy(), np.asarray(jax_cache.v[layer, :, :, kept]), atol=1e-4)
-    full = torch.as_tensor(np.concatenate([ids, suffix], 1), dtype=torch.long)
-    out = target_hf.generate(
-        input_ids=full,
-        attention_mask=torch.ones_like(full),
-        cache=cache,
-        max_new_tokens=NEW_TOKENS,
-        do_sample=False,
-        pad_token_id=0,
-    )
-    got = out[0, full.shape[1] :].tolist()
-    assert got == expected[: len(got)] and (len(got) == NEW_TOKENS or got[-1] == 2), (got, expected)  # 2: EOS
+    assert_hf_cache_and_generation(target_hf, cache, jax_cache, ids, suffix, expected)

@@ -79,6 +79,12 @@ def test_transformers_generation_from_the_exported_translation_equals_mot_jax(mo
         source_hf, target_hf, source_tok, target_tok, TorchKVTranslator.from_pretrained(tmp_path / "exported")
     )
     cache = pipe.from_target_ids(ids, mask)
+    assert_hf_cache_and_generation(target_hf, cache, jax_cache, ids, suffix, expected)
+
+
+def assert_hf_cache_and_generation(target_hf, cache, jax_cache, ids, suffix, expected):
+    """The transformers cache equals mot_jax's (every layer's kept slots) and transformers' greedy tokens after it
+    equal mot_jax's `expected` (up to an EOS)."""
     length = ids.shape[1]
     for layer, hf_layer in enumerate(cache.layers):  # Gemma-3's sliding layers keep only their window's last slots
         kept = slice(length - hf_layer.keys.shape[2], length)
