@@ -2,13 +2,15 @@
 the reference's defaults, the switches it refuses, its PyTorch export (alone and driving transformers models), and a
 tiny run that trains, resumes and evaluates."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpy_reference as nr
 import pytest
 import torch
 from flax import nnx
-from scipy.special import erf
 from test_evaluate import small_config
 from test_export_pipeline import NEW_TOKENS, TEXT, assert_hf_cache_and_generation, hf_model, jax_greedy
 from test_export_torch import perturb
@@ -44,25 +46,10 @@ def translated(translator, source, target, source_cache, alignment, ids, mask, *
 def numpy_fuser(p, receiver, sharer, gate, heads, depth):
     """The reference's ResidualCacheFuser.forward (alg/c2c/train.py) written out in float64 numpy, unmasked."""
     p = jax.tree.map(lambda a: np.asarray(a, np.float64), p)
-    gelu = lambda a: 0.5 * a * (1 + erf(a / np.sqrt(2)))
+    gelu, ln, lin = nr.gelu, nr.layer_norm, nr.linear
     sigmoid = lambda a: 1 / (1 + np.exp(-a))
-    ln = lambda x, n: (
-        (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + 1e-5) * n["scale"] + n["bias"]
-    )
-    lin = lambda x, m: x @ m["kernel"] + m["bias"]
     at = lambda tree, i: jax.tree.map(lambda a: a[i], tree)
-
-    def block(b, g, ctx):
-        d = g.shape[-1]
-        w, bias = b["in_proj"]["kernel"], b["in_proj"]["bias"]
-        q, kv = ln(g, b["norm_q"]), ln(ctx, b["norm_ctx"])
-        split = lambda a: a.reshape(*a.shape[:2], heads, d // heads)
-        q, k, v = (split(x @ w[:, i * d : (i + 1) * d] + bias[i * d : (i + 1) * d]) for i, x in enumerate((q, kv, kv)))
-        logits = np.einsum("bchd,bthd->bhct", q, k) / np.sqrt(d // heads)
-        probs = np.exp(logits - logits.max(-1, keepdims=True))
-        probs /= probs.sum(-1, keepdims=True)
-        g = g + lin(np.einsum("bhct,bthd->bchd", probs, v).reshape(g.shape), b["out_proj"])
-        return g + lin(gelu(lin(ln(g, b["norm_ffn"]), b["fc1"])), b["fc2"])
+    block = functools.partial(nr.cross_attention_block, heads=heads)
 
     r = gelu(lin(ln(receiver, p["receiver_norm"]), p["receiver_proj"]))
     s = gelu(lin(ln(sharer, p["sharer_norm"]), p["sharer_proj"]))

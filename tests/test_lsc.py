@@ -1,14 +1,15 @@
 """The LSC baseline (`translator.kind="lsc"`): the reference's shapes and defaults and a closed-form parameter count,
 the forward against an independent numpy LSC, the switches it refuses, and a tiny run that trains and resumes."""
 
+import functools
 from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpy_reference as nr
 import pytest
 from flax import nnx
-from scipy.special import erf
 from test_export_torch import perturb
 from test_train_run import load_config
 from training_helpers import whole_and_resumed
@@ -57,23 +58,8 @@ def numpy_lsc(p, x, heads, output_gelu=True):
     """The reference's local -> shared then shared -> local (alg/lsc/train.py) written out in float64 numpy, unmasked:
     x [B, T, Ls, ds] -> (latent [B, T, slots * dim], y [B, T, Lt * dt])."""
     p = jax.tree.map(lambda a: np.asarray(a, np.float64), p)
-    gelu = lambda a: 0.5 * a * (1 + erf(a / np.sqrt(2)))
-    ln = lambda x, n: (
-        (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + 1e-5) * n["scale"] + n["bias"]
-    )
-    lin = lambda x, m: x @ m["kernel"] + m["bias"]
-
-    def block(b, g, ctx):
-        d = g.shape[-1]
-        w, bias = b["in_proj"]["kernel"], b["in_proj"]["bias"]
-        q, kv = ln(g, b["norm_q"]), ln(ctx, b["norm_ctx"])
-        split = lambda a: a.reshape(*a.shape[:2], heads, d // heads)
-        q, k, v = (split(x @ w[:, i * d : (i + 1) * d] + bias[i * d : (i + 1) * d]) for i, x in enumerate((q, kv, kv)))
-        logits = np.einsum("bchd,bthd->bhct", q, k) / np.sqrt(d // heads)
-        probs = np.exp(logits - logits.max(-1, keepdims=True))
-        probs /= probs.sum(-1, keepdims=True)
-        g = g + lin(np.einsum("bhct,bthd->bchd", probs, v).reshape(g.shape), b["out_proj"])
-        return g + lin(gelu(lin(ln(g, b["norm_ffn"]), b["fc1"])), b["fc2"])
+    gelu, ln, lin = nr.gelu, nr.layer_norm, nr.linear
+    block = functools.partial(nr.cross_attention_block, heads=heads)
 
     def layer_chain(blocks, context):  # the hidden state starts at layer 0; block l reads layer l
         hidden, collected = context[:, :, 0], []
