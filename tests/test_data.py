@@ -360,8 +360,44 @@ def test_retrieval_rows_repeat_a_span_of_their_own_context(chunks, target, sourc
     assert not any(np.array_equal(everything.prompt[b], plain.batch(3).prompt[b]) for b in range(B))
 
 
-def test_retrieval_rows_need_a_context_longer_than_the_prompt(chunks, target, source):
-    with pytest.raises(MotJaxError, match="must be longer"):
-        data.Batches(chunks.chunks, B, 7, source, target, S, prefix_tokens=T // 2, copy_fraction=0.5)
+def copied_span(got: data.Batch, plain: data.Batch, b: int) -> int:
+    """Asserts that row b of `got` is row b of `plain` (the same chunk) made a retrieval row: the same context and
+    source side, prompt[:n] = context[s : s + n] and labels[:n] = context[s + 1 : s + n + 1] for some s >= 1, the
+    labels past n masked and the rest of the chunk untouched; returns n."""
+    for name in ("context", "context_mask", "source_ids", "source_mask"):
+        np.testing.assert_array_equal(getattr(got, name)[b], getattr(plain, name)[b])
+    n = int(got.label_mask[b].sum())
+    assert n >= 1 and got.label_mask[b, :n].all()
+    stream = np.concatenate([got.prompt[b, :n], got.labels[b, n - 1 : n]])
+    context = got.context[b]
+    assert any(np.array_equal(context[s : s + n + 1], stream) for s in range(1, len(context) - n)), b
+    np.testing.assert_array_equal(got.labels[b, :n], stream[1:])
+    np.testing.assert_array_equal(got.prompt[b, n + 1 :], plain.prompt[b, n + 1 :])  # the masked tail: as it was
+    return n
+
+
+def test_held_out_retrieval_rows_are_their_own_chunks_repeating_their_context(chunks, target, source):
+    """`retrieval_batches` (the closing table's retrieval column) makes every row of the validation batches it is
+    given a retrieval row by training's rule, seeded: with a context longer than the prompt the whole prompt is
+    copied; with the default split's shorter context (15 tokens, a 16-token prompt) the copy goes as far as the
+    context does (13 labels) and the rest are masked, as training rows with copy_fraction then are."""
+    for prefix_tokens, copied in ((24, T - 24), (P, P - 3)):  # the span starts anywhere in 1..14; at 1
+        split = dict(prefix_tokens=prefix_tokens, max_batches=2)
+        plain = data.validation_batches(chunks, B, source, target, 2 * S, **split)
+        got = data.retrieval_batches(plain, seed=3)
+        for a, b in zip(got, data.retrieval_batches(plain, seed=3)):
+            assert_batches_equal(a, b)
+        if prefix_tokens == 24:
+            assert not np.array_equal(got[0].prompt, data.retrieval_batches(plain, seed=4)[0].prompt)
+        for batch, want in zip(got, plain):
+            assert [copied_span(batch, want, b) for b in range(B)] == [copied] * B
+    training = data.Batches(chunks, B, 7, source, target, 2 * S, copy_fraction=1.0)
+    plain = data.Batches(chunks, B, 7, source, target, 2 * S).batch(0)
+    assert [copied_span(training.batch(0), plain, b) for b in range(B)] == [P - 3] * B
+
+
+def test_retrieval_rows_need_a_context_to_copy(chunks, target, source):
+    with pytest.raises(MotJaxError, match="leaves none to copy"):
+        data.Batches(chunks.chunks, B, 7, source, target, S, prefix_tokens=3, copy_fraction=0.5)
     with pytest.raises(MotJaxError, match="not a fraction"):
         data.Batches(chunks, B, 7, source, target, S, copy_fraction=1.5)

@@ -11,7 +11,8 @@ keyed by everything it depends on.
 
 Retrieval rows (ours, `copy_fraction`): in that share of a training batch's rows the prompt repeats a span of the
 row's own context (from a random start after its first token), so its labels can only be predicted by reading the
-exact tokens of the context, as an extractive answer is. Built from the corpus chunks alone, by this one rule.
+exact tokens of the context, as an extractive answer is. Built from the corpus chunks alone, by this one rule
+(`copy_spans`), which also makes the closing held-out retrieval rows from the validation chunks (`retrieval_batches`).
 """
 
 from __future__ import annotations
@@ -218,8 +219,11 @@ class Batch:
     alignment: Alignment  # weights [B, Tc, S], target_to_source [B, Tc], source_to_target [B, S]
 
 
-def make_batch(rows, prefix_tokens: int, source_tokenizer, target_tokenizer, source_length: int) -> Batch:
-    """The Batch of chunk rows [B, T]: the split at P, and the source ids and alignment of the context."""
+def make_batch(
+    rows, prefix_tokens: int, source_tokenizer, target_tokenizer, source_length: int, label_mask=None
+) -> Batch:
+    """The Batch of chunk rows [B, T]: the split at P, and the source ids and alignment of the context;
+    `label_mask` [B, Tp] (default all True) as `copy_spans` returns it."""
     rows = np.array(rows, np.int32)
     context, prompt, labels = rows[:, : prefix_tokens - 1], rows[:, prefix_tokens - 1 : -1], rows[:, prefix_tokens:]
     # A context starts as the target reads any text, with its BOS (Gemma's) in place of the first token: evaluation
@@ -230,19 +234,43 @@ def make_batch(rows, prefix_tokens: int, source_tokenizer, target_tokenizer, sou
     source_ids, source_mask, alignment = align_batch(
         target_tokenizer, source_tokenizer, context, context_mask, source_length
     )
-    return Batch(context, context_mask, prompt, labels, np.ones(labels.shape, bool), source_ids, source_mask, alignment)
+    label_mask = np.ones(labels.shape, bool) if label_mask is None else np.asarray(label_mask, bool)
+    return Batch(context, context_mask, prompt, labels, label_mask, source_ids, source_mask, alignment)
 
 
 def copy_spans(rows, prefix_tokens: int, chosen, rng):
-    """Chunk rows [B, T] with each `chosen` row's prompt and labels (tokens P-1..T-1) replaced by a span of its
-    context (tokens 1..P-2) starting at a random token after the first, so that prompt = context[s : s + Tp] and
-    labels = context[s + 1 : s + Tp + 1]."""
+    """(rows, label_mask): chunk rows [B, T] with each `chosen` row's prompt and labels replaced by a span of its
+    context (tokens 1..Tc-1) starting at a random token s after the first, so that prompt[:n] = context[s : s + n]
+    and labels[:n] = context[s + 1 : s + n + 1], n = min(Tp, Tc - 2): the whole prompt where the context is longer
+    (Tc >= Tp + 2); a shorter context is repeated as far as it goes (s = 1 for the default 63 / 64 split) and the
+    labels past n, which no copy predicts, are masked out (label_mask [B, Tp] False there)."""
     rows = np.array(rows)
-    span = rows.shape[1] - prefix_tokens + 1
-    starts = rng.integers(1, prefix_tokens - span, size=len(rows))  # the span ends inside the context
+    context, prompt = prefix_tokens - 1, rows.shape[1] - prefix_tokens
+    n = min(prompt, context - 2)
+    starts = rng.integers(1, context - n, size=len(rows))  # s + n <= Tc - 1: the last label is a context token
+    label_mask = np.ones((len(rows), prompt), bool)
     for i in np.flatnonzero(chosen):
-        rows[i, prefix_tokens - 1 :] = rows[i, starts[i] : starts[i] + span]
-    return rows
+        rows[i, prefix_tokens - 1 : prefix_tokens + n] = rows[i, starts[i] : starts[i] + n + 1]
+        label_mask[i, n:] = False
+    return rows, label_mask
+
+
+def retrieval_batches(batches: list[Batch], seed: int) -> list[Batch]:
+    """Every row of `batches` (chunk batches, e.g. the validation ones) made a retrieval row by `copy_spans`,
+    training's `copy_fraction` rule: the same contexts and source side, the prompt and labels copied from the
+    context (the draw seeded by `seed` and the batch's index)."""
+    out = []
+    for i, b in enumerate(batches):
+        prefix_tokens = b.context.shape[1] + 1
+        rows = np.concatenate([b.context, b.prompt, b.labels[:, -1:]], axis=1)  # the chunk rows (BOS first)
+        chosen = np.ones(len(rows), bool)
+        rows, label_mask = copy_spans(rows, prefix_tokens, chosen, np.random.default_rng([seed, i, 2]))
+        out.append(
+            dataclasses.replace(
+                b, prompt=rows[:, prefix_tokens - 1 : -1], labels=rows[:, prefix_tokens:], label_mask=label_mask
+            )
+        )
+    return out
 
 
 def _prefix_tokens(chunks, prefix_tokens: int | None) -> int:
@@ -283,11 +311,10 @@ class Batches:
         self.prefix_tokens = _prefix_tokens(chunks, prefix_tokens)
         if not 0.0 <= copy_fraction <= 1.0:
             raise MotJaxError(f"copy_fraction={copy_fraction} is not a fraction; pass a value in [0, 1].")
-        if copy_fraction and 2 * self.prefix_tokens - 1 < self.chunks.shape[1] + 2:
+        if copy_fraction and self.prefix_tokens < 4:
             raise MotJaxError(
-                f"Retrieval rows copy the {self.chunks.shape[1] - self.prefix_tokens + 1}-token prompt from the "
-                f"{self.prefix_tokens - 1}-token context, which must be longer; raise data.prefix_tokens or set "
-                "data.copy_fraction=0."
+                f"Retrieval rows copy a span of the context after its first token, and a {self.prefix_tokens - 1}-"
+                "token context leaves none to copy and predict; raise data.prefix_tokens or set data.copy_fraction=0."
             )
         self.copy_fraction = copy_fraction
         self.source_tokenizer, self.target_tokenizer = source_tokenizer, target_tokenizer
@@ -318,16 +345,18 @@ class Batches:
         return np.array([self._permutation(int(e))[o] for e, o in zip(epochs, offsets)])
 
     def batch(self, position: int) -> Batch:
-        rows = self.chunks[self.indices(position)]
+        rows, label_mask = self.chunks[self.indices(position)], None
         if self.copy_fraction:
             rng = np.random.default_rng([self.seed, position, 1])
-            rows = copy_spans(rows, self.prefix_tokens, rng.random(len(rows)) < self.copy_fraction, rng)
+            rows, label_mask = copy_spans(rows, self.prefix_tokens, rng.random(len(rows)) < self.copy_fraction, rng)
+            label_mask = label_mask[self.rows]
         return make_batch(
             rows[self.rows],
             self.prefix_tokens,
             self.source_tokenizer,
             self.target_tokenizer,
             self.source_length,
+            label_mask,
         )
 
 

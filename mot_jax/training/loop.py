@@ -4,7 +4,8 @@ It sets up the pair, data, mesh and translator (`setup`), picks the channel map 
 jitted steps of a `trainer.Trainer` and reports (`report`). The run resumes from the workdir's latest checkpoint,
 holds a lock on the workdir for its whole life, stops on a non-finite loss or state, a failed save or Ctrl-C in one
 line (keeping the last good checkpoint: a checkpoint is only saved once a forward on it gave a finite loss), and ends
-with a short held-out comparison of the translated cache against no context and the native context.
+with a short held-out comparison of the translated cache against no context, the native context and the translation
+from a shuffled source, on plain held-out chunks and on the same chunks made retrieval rows.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from mot_jax.errors import MotJaxError
 from mot_jax.locks import file_lock
 from mot_jax.paths import as_path, cache_root
 from mot_jax.training import config as config_lib
+from mot_jax.training import data
 from mot_jax.training.channel_search import resolve_channels
 from mot_jax.training.checkpoint import Checkpoints
 from mot_jax.training.report import Logger, evaluation_table
@@ -100,6 +102,7 @@ def train_in(workdir, config, mesh, pair: Pair, datasets: Datasets, checkpoints:
     trainer = Trainer(config, pair, spec, tcfg, mesh, config.steps)
     validation = datasets.validation[: config.eval_batches]
     held_out = datasets.validation[config.eval_batches :][: config.final_eval_batches] or validation
+    retrieval = data.retrieval_batches(held_out, config.seed)  # the same chunks, their prompts copied from the context
     if start:
         trainer.state = checkpoints.restore(trainer.state, start)
         logging.info("Resumed from step %d in %s", start, workdir)
@@ -107,7 +110,9 @@ def train_in(workdir, config, mesh, pair: Pair, datasets: Datasets, checkpoints:
     else:
         if tcfg.linear_skip:
             start_linear_skip(trainer, datasets.train, config.translator.skip_fit_batches)
-        initial = trainer.evaluate(validation) | dict(held_out_ce=trainer.evaluate(held_out)["ce"])
+        initial = trainer.evaluate(validation) | dict(
+            held_out_ce=trainer.evaluate(held_out)["ce"], held_out_retrieval_ce=trainer.evaluate(retrieval)["ce"]
+        )
         best = math.inf
         if jax.process_index() == 0:
             (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
@@ -162,6 +167,8 @@ def train_in(workdir, config, mesh, pair: Pair, datasets: Datasets, checkpoints:
     finally:
         logger.close()
     results = trainer.baselines(held_out) | dict(untrained=initial["held_out_ce"])
+    # a run resumed from a checkpoint written before the retrieval rows existed has no untrained retrieval CE
+    results["retrieval"] = trainer.baselines(retrieval) | dict(untrained=initial.get("held_out_retrieval_ce"))
     summary = dict(
         steps=config.steps,
         seconds=round(time.perf_counter() - began, 1),

@@ -56,12 +56,26 @@ class Logger:
             self.writer.close()
 
 
+ROWS = (
+    ("no context", "no_context"),
+    ("native context", "native"),
+    ("translated (untrained)", "untrained"),
+    ("translated (trained)", "translated"),
+    ("translated (shuffled source)", "shuffled"),  # only for a translator that reads the source
+)
+
+
 def evaluation_table(results: dict) -> str:
+    """The closing held-out table: prompt CE and perplexity per method on the plain held-out chunks and on the same
+    chunks made retrieval rows (`results["retrieval"]`); a cell the run did not measure shows "-"."""
+    retrieval = results.get("retrieval", {})
+
+    def cells(ce):
+        return ("-", "-") if ce is None else (f"{ce:.4f}", f"{math.exp(min(ce, 50)):.2f}")
+
     rows = [
-        ("no context", results["no_context"]),
-        ("native context", results["native"]),
-        ("translated (untrained)", results.get("untrained")),
-        ("translated (trained)", results["translated"]),
+        (name, *cells(results.get(key)), *cells(retrieval.get(key)))
+        for name, key in ROWS
+        if results.get(key) is not None or retrieval.get(key) is not None
     ]
-    cells = [(name, f"{ce:.4f}", f"{math.exp(min(ce, 50)):.2f}") for name, ce in rows if ce is not None]
-    return markdown_table(("method", "prompt CE", "perplexity"), cells)
+    return markdown_table(("method", "prompt CE", "perplexity", "retrieval CE", "retrieval perplexity"), rows)

@@ -8,6 +8,7 @@ its gradient for every micro-batch (a scan: gradient accumulation) and one AdamW
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
@@ -21,6 +22,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from mot_jax import sharding
 from mot_jax.errors import MotJaxError
+from mot_jax.evals.methods import regrid
+from mot_jax.evals.prompts import donor_indices
 from mot_jax.models.registry import resolve_dtype
 from mot_jax.training import data, objective
 from mot_jax.training.optim import adamw
@@ -45,7 +48,7 @@ class Trainer:
         self.tx, self.schedule = adamw(config.optim, total_steps)
         rng = jax.random.key_data(jax.random.key(config.seed))
         self.state = dict(params=params, opt_state=jax.jit(self.tx.init)(params), rng=rng)
-        self.topk = spec.attention_topk
+        self.topk, self.reads_source = spec.attention_topk, spec.reads_source
         self.kind, self.total_steps = tcfg.kind, total_steps
         self.compute_dtype = resolve_dtype(config.dtype)
         self.weights = objective.LossWeights.from_config(config.loss)
@@ -151,7 +154,13 @@ class Trainer:
         return {k: float(np.mean([r[k] for r in results])) for k in results[0]} if results else {}
 
     def baselines(self, batches) -> dict:
-        return self.evaluate(batches, self._baselines)
+        """Prompt CE over `batches` with no context, native, translated and (for a translator that reads the
+        source, and at least two rows) translated from a shuffled source (`shuffled_source`)."""
+        results = self.evaluate(batches, self._baselines)
+        shuffled = shuffled_source(batches) if self.reads_source else None
+        if shuffled:
+            results["shuffled"] = self.evaluate(shuffled)["ce"]  # the validation program: nothing new compiles
+        return results
 
     def fit_linear_skip(self, batches) -> dict:
         """Set the K and V linear skips to the least-squares fit of the native K/V left over by the (untrained)
@@ -170,6 +179,32 @@ class Trainer:
                 var.set_value(jax.device_put(value.astype(var.dtype), var[...].sharding))
         self.state["params"] = nnx.state(translator, nnx.Param)
         return errors
+
+
+def shuffled_source(batches: list) -> list | None:
+    """`batches` with each row's source side (source ids, mask, alignment) taken from another row, the evaluation's
+    shuffled-source control (evals.methods.ShuffledSource): the donor is the next row, cyclically over all the
+    batches' rows (so a batch of one row has one), whose context differs, and its alignment is regridded onto this
+    row's target grid. The translation then carries none of the row's context. None (logged) when the rows hold
+    fewer than two contexts."""
+    rows = jax.tree.map(lambda *x: np.concatenate(x), *batches)
+    try:
+        donors = np.array(
+            donor_indices([dict(context=c[m].tobytes()) for c, m in zip(rows.context, rows.context_mask)])
+        )
+    except MotJaxError:
+        logging.warning("The held-out rows hold one context: no shuffled-source row; raise final_eval_batches.")
+        return None
+    out, start = [], 0
+    for b in batches:
+        picked = donors[start : start + len(b.context)]
+        start += len(b.context)
+        donor = jax.tree.map(lambda x, picked=picked: x[picked], rows)
+        alignment = regrid(donor.alignment, donor.context_mask, b.context_mask, donor.source_mask)
+        out.append(
+            dataclasses.replace(b, source_ids=donor.source_ids, source_mask=donor.source_mask, alignment=alignment)
+        )
+    return out
 
 
 def stack(batches: list) -> dict:

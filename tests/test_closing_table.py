@@ -1,0 +1,62 @@
+"""The closing held-out table of a training run (issue 17): the shuffled-source row and the retrieval column."""
+
+import dataclasses
+
+import numpy as np
+from test_trainer import tiny_config, trainer_for
+from training_helpers import tiny_batch
+
+from mot_jax.training.report import evaluation_table
+from mot_jax.training.setup import make_mesh
+from mot_jax.training.trainer import shuffled_source
+
+
+def swapped(batches):
+    """By hand: each one-row batch with the next one's source side (the last with the first's). The target grids
+    are equal (full 10-token contexts), where regridding is the identity (regrid on unequal grids: test_evaluate)."""
+    donors = batches[1:] + batches[:1]
+    return [
+        dataclasses.replace(b, source_ids=d.source_ids, source_mask=d.source_mask, alignment=d.alignment)
+        for b, d in zip(batches, donors)
+    ]
+
+
+def test_the_shuffled_row_is_the_translation_from_another_rows_source():
+    c = tiny_config(mode="direct")
+    trainer, pair = trainer_for(c, make_mesh(c), steps=1)
+    tokenizers = pair.source_tokenizer, pair.target_tokenizer
+    batches = [tiny_batch(*tokenizers, batch=1, offset=i) for i in range(3)]  # one row each: donors cross batches
+    results = trainer.baselines(batches)
+    assert results["shuffled"] == trainer.evaluate(swapped(batches))["ce"]
+    assert abs(results["shuffled"] - results["translated"]) > 1e-5  # the source side really changed
+    assert "shuffled" not in trainer.baselines(batches[:1])  # one row: no other row's source to take
+    assert shuffled_source([batches[0], batches[0]]) is None  # two rows, one context: none either
+
+
+def test_a_source_free_translator_reads_the_same_from_a_shuffled_source():
+    c = tiny_config(mode="direct", inputs="embeddings")
+    trainer, pair = trainer_for(c, make_mesh(c), steps=1)
+    batches = [tiny_batch(pair.source_tokenizer, pair.target_tokenizer, batch=1, offset=i) for i in range(3)]
+    assert trainer.evaluate(shuffled_source(batches))["ce"] == trainer.evaluate(batches)["ce"]
+    assert not trainer.reads_source  # so the closing table leaves the row out
+
+
+def test_the_table_shows_every_measured_cell_and_dashes_the_rest():
+    results = dict(no_context=2.0, native=1.0, untrained=1.9, translated=1.5)
+    results["retrieval"] = dict(no_context=3.0, native=0.5, untrained=None, translated=2.5)
+    lines = evaluation_table(results).splitlines()
+    assert lines[0] == "| method | prompt CE | perplexity | retrieval CE | retrieval perplexity |"
+    assert lines[2] == "| no context | 2.0000 | 7.39 | 3.0000 | 20.09 |"
+    assert lines[4] == "| translated (untrained) | 1.9000 | 6.69 | - | - |"
+    assert len(lines) == 6  # no shuffled row: the translator does not read the source
+
+
+def test_a_tiny_run_reports_the_shuffled_row_and_the_retrieval_column(tiny_run):
+    _, summary = tiny_run
+    held_out = summary["held_out"]
+    methods = {"no_context", "native", "untrained", "translated", "shuffled"}
+    for column in (held_out, held_out["retrieval"]):
+        assert methods <= set(column) and all(np.isfinite(column[m]) for m in methods), column
+    assert held_out["retrieval"]["native"] != held_out["native"]  # other prompts: the copied spans
+    table = evaluation_table(held_out)
+    assert "| translated (shuffled source) |" in table and "-" not in table.replace("---", "")
