@@ -25,6 +25,10 @@ def base() -> ml_collections.ConfigDict:
     c.data.prefix_tokens = 64
     c.data.source_length = 128  # static source context length (chunks whose source text is longer are skipped)
     c.data.copy_fraction = 0.0  # ours: the share of training rows whose prompt repeats a span of their context
+    c.data.train_chunks = 0  # train on the chunk table's first N chunks only (0: all of it)
+    # ours: a KV-space objective (loss.ce_weight=0, no distill) reads the frozen models' outputs per chunk from a
+    # cache on disk, computed once, instead of running the frozen forwards every step (training/features.py)
+    c.data.feature_cache = False
 
     c.translator = ml_collections.ConfigDict()
     c.translator.mode = "replay"  # replay (paper) | direct
@@ -79,6 +83,7 @@ def base() -> ml_collections.ConfigDict:
     c.translator.dense_bottom = 2
 
     c.loss = ml_collections.ConfigDict()
+    c.loss.ce_weight = 1.0  # the prompt CE; 0 with no distill: a KV-space objective, no forward over the prompt
     c.loss.correction_weight = 1.0  # lambda on MSE(K) + MSE(V) against the native prefill
     c.loss.distill_weight = 0.0  # ours: mu on KL(native || translated) over the prompt's next tokens
     c.loss.attention_weight = 0.0  # ours: nu on each written layer's attention-output error under native queries
@@ -159,4 +164,16 @@ def check(c: ml_collections.ConfigDict):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise MotJaxError(
                 f"{key}={value!r} must be a whole number of at least {least}; pass --config.{key}=N with N >= {least}."
+            )
+    if c.data.get("feature_cache"):
+        if c.loss.get("ce_weight", 1.0) or c.loss.distill_weight:
+            raise MotJaxError(
+                "data.feature_cache=True serves KV-space objectives, but the prompt CE / KL run the target over the "
+                "prompt after the translated cache every step; pass --config.loss.ce_weight=0 "
+                "--config.loss.distill_weight=0, or data.feature_cache=False."
+            )
+        if c.data.copy_fraction:
+            raise MotJaxError(
+                "data.feature_cache=True stores each chunk's own prompt, but data.copy_fraction rewrites prompts per "
+                "step; pass --config.data.copy_fraction=0 (with no CE its retrieval rows change nothing else)."
             )

@@ -217,6 +217,7 @@ class Batch:
     source_ids: np.ndarray  # [B, S] int32, right-padded with 0
     source_mask: np.ndarray  # [B, S] bool
     alignment: Alignment  # weights [B, Tc, S], target_to_source [B, Tc], source_to_target [B, S]
+    features: object = None  # the rows' frozen-model outputs from the feature cache (features.Features; None: live)
 
 
 def make_batch(

@@ -28,6 +28,7 @@ from mot_jax.training import config as config_lib
 from mot_jax.training import data
 from mot_jax.training.channel_search import resolve_channels
 from mot_jax.training.checkpoint import Checkpoints
+from mot_jax.training.features import attach_features
 from mot_jax.training.report import Logger, evaluation_table
 from mot_jax.training.setup import (
     Datasets,
@@ -103,6 +104,9 @@ def train_in(workdir, config, mesh, pair: Pair, datasets: Datasets, checkpoints:
     validation = datasets.validation[: config.eval_batches]
     held_out = datasets.validation[config.eval_batches :][: config.final_eval_batches] or validation
     retrieval = data.retrieval_batches(held_out, config.seed)  # the same chunks, their prompts copied from the context
+    train = datasets.train
+    if config.data.feature_cache:  # the training stream and validation loss read the frozen outputs from disk
+        train, validation = attach_features(config, pair, spec, tcfg.kind, train, validation)
     if start:
         trainer.state = checkpoints.restore(trainer.state, start)
         logging.info("Resumed from step %d in %s", start, workdir)
@@ -154,7 +158,7 @@ def train_in(workdir, config, mesh, pair: Pair, datasets: Datasets, checkpoints:
 
     logger = Logger(workdir, config.steps, start, tokens_per_step, config.log_every)
     try:
-        fit(trainer, datasets.train, start, config.steps, on_step)
+        fit(trainer, train, start, config.steps, on_step)
     except NonFinite as e:
         kept = f"the last good checkpoint is step {last_saved}" if last_saved else "no checkpoint was written"
         raise MotJaxError(

@@ -6,6 +6,10 @@ with its clean prefill of the same context, over the layers from the first windo
 the target's own `native_bottom` layers),
 context tokens only, mean over every element. Only the translator receives gradients.
 
+`loss.ce_weight` (ours, default 1) scales the CE; at 0, with no KL, the objective lives in K/V space alone and the
+target's forward over the prompt is skipped (validation still reports the CE): what the feature cache
+(`features.py`) needs, whose translator-independent inputs are then read from disk instead of computed.
+
 Ours, off by default (`loss.distill_weight`): + mu * KL(native || translated), the target's next-token distributions
 over the prompt after its native cache against after the translated one (SwiftKV's distillation objective). CE
 rewards the labels alone; the KL asks for the whole distribution the native context gives, at every prompt position.
@@ -60,17 +64,25 @@ class LossWeights:
     z_loss: float = 0.001
     distill: float = 0.0
     attention: float = 0.0
+    ce: float = 1.0
 
     @classmethod
     def from_config(cls, loss) -> LossWeights:
-        """From a config's `loss` block (configs saved before `distill_weight` / `attention_weight` have none)."""
+        """From a config's `loss` block (configs saved before `distill_weight` / `attention_weight` / `ce_weight`
+        have none)."""
         return cls(
             loss.correction_weight,
             loss.load_balance_weight,
             loss.z_loss_weight,
             loss.get("distill_weight", 0.0),
             loss.get("attention_weight", 0.0),
+            loss.get("ce_weight", 1.0),
         )
+
+    @property
+    def reads_prompt(self) -> bool:
+        """Whether the loss needs the target's forward over the prompt after the translated cache (CE or KL)."""
+        return bool(self.ce or self.distill)
 
 
 @struct.dataclass
@@ -175,10 +187,15 @@ def prompt_cross_entropy(target, cache, batch):
     return token_cross_entropy(logits, batch.labels, batch.label_mask)
 
 
-def context_correction(translator, source, target, batch, frozen, weights: LossWeights, noise=None):
+def context_correction(
+    translator, source, target, batch, frozen, weights: LossWeights, noise=None, side=None, prompt=False
+):
     """(loss, metrics) of one micro-batch; `frozen` = `frozen_forwards(...)` (no gradient flows into it), with
-    `reads=True` where `weights.attention` is on."""
+    `reads=True` where `weights.attention` is on; `side` the context's `TargetSide` when the caller has it (the
+    feature cache), else `translate` computes it. The target reads the prompt after the translated cache, and `ce`
+    is reported, where the loss needs it (`weights.reads_prompt`) or `prompt` asks for it (validation)."""
     source_cache, source_topk, native, *reads = jax.lax.stop_gradient(frozen)
+    side = jax.lax.stop_gradient(side)
     spec = translator.spec
     context_length, prompt_length = batch.context.shape[1], batch.prompt.shape[1]
     cache, aux = translate(
@@ -193,9 +210,8 @@ def context_correction(translator, source, target, batch, frozen, weights: LossW
         capacity=context_length + prompt_length,
         receiver=native,  # kind='c2c' fuses into it; `noise`: its training gate (None: the hard gate)
         noise=noise,
+        side=side,
     )
-    logits, _ = target(batch.prompt, cache=cache)
-    ce = token_cross_entropy(logits, batch.labels, batch.label_mask)
     first = spec.native_bottom if spec.mode == "direct" else min(spec.target_layers)  # the layers it writes
     context = lambda kv: kv[first:, :, :, :context_length]
     errors = {}
@@ -208,10 +224,14 @@ def context_correction(translator, source, target, batch, frozen, weights: LossW
     load_balance = sum((a["load_balance_loss"] for a in routed), jnp.zeros(()))
     z_loss = sum((a["z_loss"] for a in routed), jnp.zeros(()))
     correction = errors["mse_k"] + errors["mse_v"]
-    loss = ce + weights.correction * correction + weights.load_balance * load_balance + weights.z_loss * z_loss
-    metrics = dict(ce=ce, **errors, load_balance=load_balance, z_loss=z_loss)
+    loss = weights.correction * correction + weights.load_balance * load_balance + weights.z_loss * z_loss
+    metrics = dict(**errors, load_balance=load_balance, z_loss=z_loss)
     if gates is not None:
         metrics["gate"] = gates.mean()
+    if weights.reads_prompt or prompt:  # else a KV-space objective: no forward over the prompt
+        logits, _ = target(batch.prompt, cache=cache)
+        metrics["ce"] = token_cross_entropy(logits, batch.labels, batch.label_mask)
+        loss = loss + weights.ce * metrics["ce"]
     if weights.distill:  # one more target forward over the prompt, after the native cache (no gradient reaches it)
         teacher, _ = target(batch.prompt, cache=native.with_capacity(context_length + prompt_length))
         metrics["kl"] = distillation_kl(logits, jax.lax.stop_gradient(teacher), batch.label_mask)

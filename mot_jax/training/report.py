@@ -43,7 +43,8 @@ class Logger:
         tokens_per_second = self.tokens_per_step / max(seconds, 1e-9)
         values = {k: float(v) for k, v in metrics.items()} | dict(learning_rate=learning_rate)
         self.scalars(step, values | dict(tokens_per_second=tokens_per_second), "train")
-        self.bar.set_postfix(loss=f"{values['loss']:.3f}", ce=f"{values['ce']:.3f}", tok_s=f"{tokens_per_second:.0f}")
+        shown = {k: f"{values[k]:.3f}" for k in ("loss", "ce") if k in values}  # no ce: a KV-space objective
+        self.bar.set_postfix(**shown, tok_s=f"{tokens_per_second:.0f}")
         self.bar.update(1)
         if step % self.log_every == 0:
             shown = " ".join(f"{k}={v:.4g}" for k, v in values.items())

@@ -7,6 +7,7 @@ import dataclasses
 import json
 
 import jax
+import numpy as np
 from absl import logging
 from etils import epath
 
@@ -61,9 +62,12 @@ def make_datasets(config, pair: Pair, rows: slice = slice(None)) -> Datasets:
         )
 
     needed = max(config.eval_batches, config.translator.channels.search_eval_batches) + config.final_eval_batches
+    train = chunks("train")
+    if d.get("train_chunks"):  # the table's first N chunks only (a small table for the feature cache)
+        train = np.asarray(train)[: d.train_chunks]
     return Datasets(
         data.Batches(
-            chunks("train"),
+            train,
             config.batch_size,
             config.seed,
             **tokenizers,

@@ -68,13 +68,18 @@ class Trainer:
         source, target = (nnx.merge(g, s) for g, s in zip(self.llm_graphs, llm_states))
         return translator, source, target
 
-    def _loss(self, params, llm_states, batch, noise=None):
+    def _loss(self, params, llm_states, batch, noise=None, prompt=False):
         _, source, target = self._models(params, llm_states)
-        frozen = objective.frozen_forwards(source, target, batch, self.topk, reads=bool(self.weights.attention))
+        side = None
+        if batch.features is not None:  # the feature cache: the frozen forwards' outputs, read from disk
+            frozen, side = batch.features.unpack()
+        else:
+            frozen = objective.frozen_forwards(source, target, batch, self.topk, reads=bool(self.weights.attention))
 
         def loss_fn(p):
             translator, _, _ = self._models(p, llm_states)
-            return objective.context_correction(translator, source, target, batch, frozen, self.weights, noise)
+            args = (frozen, self.weights, noise, side, prompt)
+            return objective.context_correction(translator, source, target, batch, *args)
 
         return loss_fn
 
@@ -106,7 +111,7 @@ class Trainer:
         return state, metrics | dict(state_finite=jnp.all(jnp.stack([jnp.isfinite(x).all() for x in floats])))
 
     def _eval_step(self, params, llm_states, batch):
-        return self._loss(params, llm_states, batch)(params)[1]
+        return self._loss(params, llm_states, batch, prompt=True)(params)[1]  # the CE too, whatever the loss
 
     def _baseline_step(self, params, llm_states, batch):
         """Prompt CE with no context, the native context cache, and the translated cache."""

@@ -39,7 +39,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
+from flax import nnx, struct
 
 from mot_jax.errors import MotJaxError
 from mot_jax.models import decoder
@@ -369,6 +369,54 @@ def fuse_receiver(translator, source, target, source_cache, alignment, target_id
     ), aux
 
 
+@struct.dataclass
+class TargetSide:
+    """What `translate` reads from the frozen target over a context, whatever the translator (`target_side`): the
+    feature cache (training/features.py) stores it per chunk so that training skips those forwards."""
+
+    bottom_k: jax.Array | None  # direct, native_bottom = B > 0: the native K/V of layers 0..B-1, [B, b, Kt, T, dt]
+    bottom_v: jax.Array | None
+    features: jax.Array | None  # direct: the target-side inputs the translator reads, [b, T, F] (None: source only)
+    first_k: jax.Array | None  # the first token's own K/V at the window layers, [W, b, Kt, 1, dt] (None: no window)
+    first_v: jax.Array | None
+
+
+def target_side(spec: TranslationSpec, target: CausalLM, target_ids, mask, capacity: int) -> TargetSide:
+    """The `TargetSide` of the context `target_ids` [b, T] (padding per `mask`), as `translate` computes it into a
+    cache of `capacity` slots."""
+    batch, length = target_ids.shape
+    mask = mask.astype(bool)
+    bottom_k = bottom_v = features = first_k = first_v = None
+    if spec.mode == "direct":
+        cache, features = run_native_bottom(spec, target, target_ids, mask, target.init_cache(batch, capacity))
+        if spec.native_bottom:
+            bottom = lambda kv: kv[: spec.native_bottom, :, :, :length]
+            bottom_k, bottom_v = bottom(cache.k), bottom(cache.v)
+    if spec.target_layers:
+        first_k, first_v = first_token_kv(target, target_ids, first_valid_index(mask), spec.target_layers)
+    return TargetSide(bottom_k, bottom_v, features, first_k, first_v)
+
+
+def replace_inputs(translator, source, target, source_cache, alignment, target_ids, mask, capacity):
+    """kind='mot_h': the target's dense forward over its context (a cache of `capacity` slots) with each window layer's
+    input residual stream replaced by the translation of the source's (`source_read(layer_inputs=True)`), but at each
+    row's first token, which keeps the target's own; (its cache, {"hidden": the mixture's aux outputs})."""
+    spec = translator.spec
+    batch, length = target_ids.shape
+    streams = alignment_lib.resample(window_block(source_cache.k, spec.source_layers), alignment.weights)
+    hidden, aux = translator.hidden(streams, mask)  # [B, T, W, Dt]
+    first = first_valid_index(mask)
+    *_, own = target.run_layers(target_ids[jnp.arange(batch), first][:, None], layer_inputs=True)  # [Lt, B, 1, Dt]
+    is_first = (jnp.arange(length) == first[:, None])[None, :, :, None]  # [1, B, T, 1]
+    hidden = jnp.where(is_first, own[jnp.asarray(spec.target_layers)], hidden.transpose(2, 0, 1, 3))
+    slot = np.full(target.config.num_layers, -1, np.int32)
+    slot[list(spec.target_layers)] = np.arange(len(spec.target_layers))
+    injection = Injection(k=None, v=None, slot=jnp.asarray(slot), hidden=hidden)
+    cache = target.init_cache(batch, capacity)
+    _, cache, _ = target.run_layers(target_ids, mask, cache=cache, injection=injection, fresh=True)
+    return cache, {"hidden": aux}
+
+
 def translate(
     translator,
     source,
@@ -381,28 +429,31 @@ def translate(
     capacity=None,
     receiver=None,
     noise=None,
+    side=None,
 ):
     """Jittable core: the target cache (capacity slots, default T) for the target context, and the aux outputs.
     kind='c2c' only: `receiver`, the target's own prefill of the context when the caller has it (else it runs
-    here), and `noise`, the training gate's (`c2c.GateNoise`; None: the hard gate)."""
+    here), and `noise`, the training gate's (`c2c.GateNoise`; None: the hard gate). Other kinds: `side`, the
+    context's `TargetSide` when the caller has it (else computed here)."""
     spec = translator.spec
     batch, length = target_ids.shape
     mask = target_mask.astype(bool)
     if translator.cfg.kind == "c2c":
         args = (target_ids, mask, capacity or length, receiver, noise)
         return fuse_receiver(translator, source, target, source_cache, alignment, *args)
+    side = side if side is not None else target_side(spec, target, target_ids, mask, capacity or length)
     cache = target.init_cache(batch, capacity or length)
-    if spec.mode == "direct":
-        cache, features = run_native_bottom(spec, target, target_ids, mask, cache)
+    if spec.mode == "direct":  # the context's slots, with the native bottom layers' K/V
+        cache = cache.append_slots(positions_from_mask(mask), mask)
+        if spec.native_bottom:
+            bottom = lambda kv, got: kv.at[: spec.native_bottom, :, :, :length].set(got)
+            cache = cache.replace(k=bottom(cache.k, side.bottom_k), v=bottom(cache.v, side.bottom_v))
         if not spec.target_layers:  # B = L: the target read the whole context itself
-            return cache, {}
-    else:
-        features = None
-    k, v, aux = translate_window(translator, source, target, source_cache, alignment, mask, features)
+            return cache.replace(index=jnp.asarray(length, jnp.int32)), {}
+    k, v, aux = translate_window(translator, source, target, source_cache, alignment, mask, side.features)
     first = first_valid_index(mask)
-    own_k, own_v = first_token_kv(target, target_ids, first, spec.target_layers)
     is_first = (jnp.arange(length) == first[:, None])[None, :, None, :, None]  # [1, B, 1, T, 1]
-    k, v = jnp.where(is_first, own_k, k), jnp.where(is_first, own_v, v)
+    k, v = jnp.where(is_first, side.first_k, k), jnp.where(is_first, side.first_v, v)
     if spec.mode == "direct":
         at = (spec.native_bottom, 0, 0, 0, 0)
         return cache.replace(
