@@ -20,6 +20,7 @@ SECTIONS = (
     "## Alignment: vectorised against the per-token reference",
     "## Time to first token: native, replay and direct",
     "## Training step: configs/smollm2_gemma3.py",
+    "## Feature cache: K/V-space training steps, configs/smollm2_gemma3.py",
 )
 NUMBER = re.compile(r"^-?\d+(\.\d+)?(e[+-]?\d+)?[x%]?$")
 
@@ -54,7 +55,7 @@ def test_quick_page(tmp_path):
     assert re.search(r"^- Machine: .+, \d+ cores.*; jax backend \w+", text, re.M)
     assert re.search(r"^- Versions: jax [\d.]+, jaxlib [\d.]+, flax [\d.]+, torch .+, transformers ", text, re.M)
     found = tables(text)
-    assert len(found) == 7  # models: 2 prefill + 1 decode; mixture, align, ttft, train
+    assert len(found) == 8  # models: 2 prefill + 1 decode; mixture, align, ttft, train, features
     for rows in found:
         assert rows, "a table without data rows"
         for row in rows:

@@ -8,14 +8,16 @@
   python -m mot_jax.bench ttft                  # native / replay / direct time to first token (evals.latency)
   python -m mot_jax.bench ttft --workdirs=DIR   # ... of trained translators (training workdirs) instead of untrained
   python -m mot_jax.bench train                 # the training step of configs/smollm2_gemma3.py (replay and direct)
+  python -m mot_jax.bench features              # K/V-space training steps: frozen forwards live vs the feature cache
   python -m mot_jax.bench --quick --out=/tmp/bench/BENCHMARKS.md   # every part on tiny random models
 
-Time: the whole page takes about 15 minutes on a 2-core CPU with the default `--runs=3` (models ~7, ttft ~2, train
-~2, align ~1, mixture ~0.5), after the offline models are converted and the corpus prepared. `--quick` runs every
-part on tiny random models with tiny sizes and one run per cell (it ignores the size flags) in 1-1.5 minutes, most
-of it compiling: it checks that the page builds, its numbers mean nothing; without --out it writes no page. Parts
-named on the command line are printed (each section's Markdown on stdout, progress on stderr); with --out they also
-make a page of their own. The page is written (atomically, with its plot) only after every part has succeeded.
+Time: the whole page takes about 20 minutes on a 2-core CPU with the default `--runs=3` (models ~7, ttft ~2, train
+~2, align ~1, mixture ~0.5, features ~6 with its cache built, measured on a loaded machine), after the offline
+models are converted and the corpus prepared. `--quick` runs every part on tiny random models with tiny sizes and
+one run per cell (it ignores the size flags) in 1-1.5 minutes, most of it compiling: it checks that the page builds,
+its numbers mean nothing; without --out it writes no page. Parts named on the command line are printed (each
+section's Markdown on stdout, progress on stderr); with --out they also make a page of their own. The page is
+written (atomically, with its plot) only after every part has succeeded.
 
 Both sides of a comparison do the same work in one process, interleaved: same weights, dtype, batch and tokens;
 prefill fills the cache and computes logits for the last position only (transformers: `logits_to_keep=1`); torch
@@ -30,6 +32,7 @@ import time
 
 from mot_jax.bench.align import bench_align
 from mot_jax.bench.common import DEFAULT_MIXTURE, QUICK, Plan, log
+from mot_jax.bench.features import bench_features
 from mot_jax.bench.mixture import bench_mixture
 from mot_jax.bench.models import bench_models
 from mot_jax.bench.page import PAGE, PLOT, machine, write_page
@@ -45,6 +48,7 @@ PARTS = {
     "align": bench_align,
     "ttft": bench_ttft,
     "train": bench_train,
+    "features": bench_features,
 }
 
 
