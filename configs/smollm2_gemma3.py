@@ -3,28 +3,34 @@
 The argument picks the run, as a comma list: `replay` (default) or `direct`; `single` (one translator, N=1),
 `projector` (the C2C-Project baseline) or `c2c` (the C2C fuser: the target prefills its context and adds gated
 residuals from the source's K/V at its layers; direct, suffix CE only) or `lsc` (the LSC baseline: every source
-layer's K/V through a shared latent into every target layer's, at the reference's sizes; direct, suffix CE only) in
-place of the mixture; `skip` for a least-squares-started linear skip beside the mixtures (with keys translated
-un-rotated and no output GELU); `reverse` for Gemma-3 -> SmolLM2; `tiny` to run it on tiny random models in seconds.
+layer's K/V through a shared latent into every target layer's, at the reference's sizes; direct, suffix CE only) or
+`mot_h` (MoT-h: the mixture translates the source's window layers' input residual streams into the target's, which
+replace its own in a dense forward over the context; replay, MoT's loss) in place of the mixture; `skip` for a
+least-squares-started linear skip beside the mixtures (with keys translated un-rotated and no output GELU);
+`reverse` for Gemma-3 -> SmolLM2; `tiny` to run it on tiny random models in seconds.
 
     python -m mot_jax.train --config=configs/smollm2_gemma3.py:replay --workdir=$HOME/runs/s2g_replay
     python -m mot_jax.train --config=configs/smollm2_gemma3.py:direct,reverse --workdir=$HOME/runs/g2s_direct
     python -m mot_jax.train --config=configs/smollm2_gemma3.py:c2c --workdir=$HOME/runs/s2g_c2c  # time unmeasured
     python -m mot_jax.train --config=configs/smollm2_gemma3.py:lsc --workdir=$HOME/runs/s2g_lsc  # time unmeasured
+    python -m mot_jax.train --config=configs/smollm2_gemma3.py:mot_h --workdir=$HOME/runs/s2g_mot_h  # unmeasured
 
 Contexts of 191 target tokens (BOS first) like the evaluation passages (~190 tokens with the instruction), a
 64-token prompt, 4 sequences per step; a mixture of 2 experts (k=1, one block per layer) over the top 30% of the
 target's layers (`replay`, dim 256) or over all of them (`direct`, dim 96). Time on a shared 2-core CPU, 200 steps:
 replay ~20 minutes, direct ~12 (the first run also converts both models and prepares the corpus). `lsc` at the
 reference's sizes (translator dim 512, 16 heads, ratio 4, 32 x 128 latent) has 589M trainable parameters (K and V;
-AdamW's state alone ~7 GB in fp32): far slower, unmeasured. Measured results and the evaluation commands: RESULTS.md.
+AdamW's state alone ~7 GB in fp32): far slower, unmeasured. `mot_h` has replay's mixture sizes and window (the
+top 30%; per layer a 576-wide SmolLM2 stream in, a 640-wide Gemma-3 stream out, through the reference's output GELU)
+and a dense target forward in place of the sparse replay; its time and result are unmeasured. Measured results and
+the evaluation commands: RESULTS.md.
 """
 
 from mot_jax.errors import MotJaxError
 from mot_jax.training.config import base, tiny
 
-CHOICES = ("replay", "direct", "single", "projector", "c2c", "lsc", "skip", "reverse", "tiny")
-KINDS = ("single", "projector", "c2c", "lsc")  # at most one: what replaces the mixture
+CHOICES = ("replay", "direct", "single", "projector", "c2c", "lsc", "mot_h", "skip", "reverse", "tiny")
+KINDS = ("single", "projector", "c2c", "lsc", "mot_h")  # at most one: what replaces the mixture
 DIRECT_ONLY = ("c2c", "lsc")
 
 
@@ -33,10 +39,10 @@ def get_config(arg=None):
     unknown = [p for p in parts if p not in CHOICES]
     kinds = [p for p in parts if p in KINDS]
     direct = "direct" in parts or any(k in parts for k in DIRECT_ONLY)
-    if unknown or ("replay" in parts and direct) or len(kinds) > 1:
+    if unknown or ("replay" in parts and direct) or len(kinds) > 1 or ("mot_h" in parts and direct):
         raise MotJaxError(
             f"Bad config argument {arg!r}; pass a comma list of {', '.join(CHOICES)} with at most one of "
-            "replay/direct and one of single/projector/c2c/lsc (c2c and lsc run direct)."
+            "replay/direct and one of single/projector/c2c/lsc/mot_h (c2c and lsc run direct, mot_h replay)."
         )
     c = base()
     c.source, c.target = "smollm2-135m", "gemma3-270m"
@@ -59,6 +65,8 @@ def get_config(arg=None):
     if "lsc" in parts:  # the reference's LSC and its sizes; its loss is the suffix CE alone
         c.translator.update(kind="lsc", dim=512, heads=16, mlp_ratio=4, shared_slots=32, shared_dim=128)
         c.loss.correction_weight = 0.0
+    if "mot_h" in parts:  # the reference's MoT-h: MoT's mixture and loss, its window's inputs replaced, dense
+        c.translator.update(kind="mot_h", sparse_attention=False)
     if "skip" in parts:
         c.translator.update(linear_skip=True, rotary=True, output_activation="none")
     c.data.total_tokens, c.data.prefix_tokens, c.data.source_length = 256, 192, 256

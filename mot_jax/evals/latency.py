@@ -55,7 +55,8 @@ def planned_bytes(models, method, contexts, suffix_ids, suffix_mask, settings: S
         tokenizers = (models.source_tokenizer, models.target_tokenizer)
         read = read_source(spec, models.source, *tokenizers, contexts.ids, contexts.mask)
         if read.cache is not None:
-            programs.append(source_prefill.lower(models.source, read.ids, read.mask, topk=spec.attention_topk))
+            flags = dict(topk=spec.attention_topk, layer_inputs=spec.layer_inputs)
+            programs.append(source_prefill.lower(models.source, read.ids, read.mask, **flags))
         programs.append(translate_jit.lower(*method.translation_args(models, contexts, read), capacity=capacity))
     elif isinstance(method, Native):
         programs.append(prefill.lower(models.target, contexts.ids, contexts.mask, capacity=capacity))

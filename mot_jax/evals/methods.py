@@ -128,7 +128,7 @@ class Translated(Method):
 
     def __init__(self, name: str, translator, workdir: str, step: int):
         self.name, self.translator, self.workdir, self.step = name, translator, workdir, step
-        self.load = {}  # "key" / "value" -> tokens routed to each expert, summed over the evaluation
+        self.load = {}  # "key" / "value" (mot_h: "hidden") -> tokens routed to each expert, summed over the evaluation
 
     def read_source(self, models, contexts, watch) -> SourceRead:
         """The source's side of a batch, the source having read the contexts' text (no source runs for the
@@ -154,12 +154,16 @@ class Translated(Method):
     def handed(self, models, source_mask) -> np.ndarray:
         spec = self.translator.spec
         layers = len(set(spec.source_layers)) * spec.reads_source  # the source layers the translator reads
-        return np.array([kv_bytes(models.source, int(n), layers) for n in np.asarray(source_mask).sum(1)])
+        tokens = np.asarray(source_mask).sum(1)
+        if spec.layer_inputs:  # kind='mot_h': one residual-stream vector per token and layer, not K and V
+            s = models.source.config
+            return tokens * layers * s.hidden_size * jnp.dtype(models.source.param_dtype).itemsize
+        return np.array([kv_bytes(models.source, int(n), layers) for n in tokens])
 
     def build(self, models, contexts, capacity, watch):
         read = self.read_source(models, contexts, watch)
         cache, aux = self.translate(models, contexts, read, capacity, watch)
-        for part in ("key", "value"):
+        for part in ("key", "value", "hidden"):  # hidden: MoT-h's one mixture
             if "stats" in aux.get(part, {}):
                 self.load[part] = self.load.get(part, 0) + np.asarray(aux[part]["stats"]["load"], np.float64)
         return cache, self.handed(models, read.mask)
@@ -226,6 +230,8 @@ def method_name(config) -> str:
         name = "C2C"
     elif t.get("kind") == "lsc":  # always direct: every target layer from the shared latent
         name = "LSC"
+    elif t.get("kind") == "mot_h":  # its target reads the context itself: its TTFT (translation) holds that forward
+        name = "MoT-h" if t.num_experts > 1 else "single translator (MoT-h)"
     elif t.get("kind") == "linear":
         name = f"linear translator ({t.mode})"
     else:

@@ -73,7 +73,8 @@ def trained_methods(workdirs, which: str, replay_attention="trained"):
         pair = names
         trained_spec = trained.translator.spec
         seen = []
-        for changes in attentions if trained_spec.mode == "replay" else [{}]:
+        replays = trained_spec.mode == "replay" and not trained_spec.layer_inputs  # MoT-h's forward is dense
+        for changes in attentions if replays else [{}]:
             if changes:
                 trained = load_trained(workdir, which, **changes)
             spec = trained.translator.spec

@@ -86,15 +86,18 @@ class Injection:
     """Per-layer changes to a prefill over T new tokens: MoT's replay of the target over its context.
 
     A layer with `slot[l] >= 0` computes its own K/V (and caches them) but its attention reads the injected
-    `k[slot[l]]`, `v[slot[l]]` for the new tokens instead. A layer with `sparse[l]` lets each query attend only to
-    the keys listed in `sparse_index[l]` (token indices into the new tokens; out-of-range entries are ignored).
+    `k[slot[l]]`, `v[slot[l]]` for the new tokens instead; or, with `hidden` (MoT-h; k and v None), the layer takes
+    `hidden[slot[l]]` as its input residual stream and runs on it as usual. A layer with `sparse[l]` lets each query
+    attend only to the keys listed in `sparse_index[l]` (token indices into the new tokens; out-of-range entries are
+    ignored).
     """
 
-    k: jax.Array  # [W, B, K, T, d]
-    v: jax.Array  # [W, B, K, T, d]
+    k: jax.Array | None  # [W, B, K, T, d]
+    v: jax.Array | None  # [W, B, K, T, d]
     slot: jax.Array  # [L] int32, -1 = not injected
     sparse_index: jax.Array | None = None  # [L, B, T, k] int32
     sparse: jax.Array | None = None  # [L] bool
+    hidden: jax.Array | None = None  # [W, B, T, D] the injected layers' input residual streams
 
 
 class LayerCache:
@@ -157,11 +160,16 @@ class LayerCache:
     def injected(self, k_layer, v_layer, length, offset):
         """This layer's attention keys/values and allowed-key mask under the injection (new tokens at `offset`)."""
         inj, layer_slot = self.injection, self.injection.slot
-        use = layer_slot >= 0
-        read = lambda a: jax.lax.dynamic_index_in_dim(a, jnp.maximum(layer_slot, 0), keepdims=False)
-        at = (0, 0, offset, 0)
-        k_layer = jnp.where(use, jax.lax.dynamic_update_slice(k_layer, read(inj.k).astype(k_layer.dtype), at), k_layer)
-        v_layer = jnp.where(use, jax.lax.dynamic_update_slice(v_layer, read(inj.v).astype(v_layer.dtype), at), v_layer)
+        if inj.k is not None:
+            use = layer_slot >= 0
+            read = lambda a: jax.lax.dynamic_index_in_dim(a, jnp.maximum(layer_slot, 0), keepdims=False)
+            at = (0, 0, offset, 0)
+            k_layer = jnp.where(
+                use, jax.lax.dynamic_update_slice(k_layer, read(inj.k).astype(k_layer.dtype), at), k_layer
+            )
+            v_layer = jnp.where(
+                use, jax.lax.dynamic_update_slice(v_layer, read(inj.v).astype(v_layer.dtype), at), v_layer
+            )
         if inj.sparse_index is None:
             return k_layer, v_layer, None
         b, capacity = k_layer.shape[0], k_layer.shape[2]
@@ -237,13 +245,17 @@ class CausalLM(nnx.Module):
         graphdef, stacked = nnx.split(self.layers)
         per_layer = None
         if injection is not None:  # the injection's per-layer fields travel through the scan
-            per_layer = injection.replace(k=None, v=None)
+            per_layer = injection.replace(k=None, v=None, hidden=None)
 
         def body(carry, xs):
             x, k_all, v_all = carry
             layer_params, layer, layer_injection = xs
             if layer_injection is not None:
                 layer_injection = layer_injection.replace(k=injection.k, v=injection.v)
+                if injection.hidden is not None:  # MoT-h: an injected layer's input residual stream is replaced
+                    slot = layer_injection.slot
+                    replaced = jax.lax.dynamic_index_in_dim(injection.hidden, jnp.maximum(slot, 0), keepdims=False)
+                    x = jnp.where(slot >= 0, replaced.astype(x.dtype), x)
             layer_cache = view(k_all, v_all, layer, cache.index, positions, cache, layer_injection, topk, fresh)
             inputs = x if layer_inputs else None
             x = nnx.merge(graphdef, layer_params)(x, positions, layer, layer_cache)

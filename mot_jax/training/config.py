@@ -49,7 +49,8 @@ def base() -> ml_collections.ConfigDict:
     # the target's own prefill plus gated residuals from the source's K/V over the top min(Ls, Lt) layers; needs
     # mode="direct", and the reference trains it with loss.correction_weight=0) | lsc (the LSC baseline: every source
     # layer's K/V through a shared latent of shared_slots x shared_dim per token into every target layer's; the same
-    # needs and loss)
+    # needs and loss) | mot_h (MoT-h: the mixture translates the source's window layers' input residual streams into
+    # the target's, which replace its own in a dense forward over the context; needs sparse_attention=False)
     c.translator.kind = "mot"
     c.translator.dim = 1024
     c.translator.heads = 16

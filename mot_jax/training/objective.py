@@ -54,7 +54,7 @@ from mot_jax.errors import MotJaxError
 from mot_jax.models.base import LayerCache
 from mot_jax.models.cache import KVCache
 from mot_jax.models.layers import GLOBAL_WINDOW, attention
-from mot_jax.translate.translator import translate
+from mot_jax.translate.translator import source_read, translate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,10 +141,11 @@ def attention_error(reads: NativeReads, k, v, softcap=None):
     return error / jnp.maximum((jnp.square(want) * weight).sum((1, 2, 3)), 1e-12)
 
 
-def frozen_forwards(source, target, batch, topk: int, reads: bool = False):
-    """The source's cache (and attention top-k for sparse replay) and the target's native cache of the context; with
-    `reads=True` a fourth value, the target's `NativeReads` of the prompt after that cache (the attention term's)."""
-    _, source_cache, source_topk = source.run_layers(batch.source_ids, batch.source_mask, topk=topk)
+def frozen_forwards(source, target, batch, topk: int, reads: bool = False, layer_inputs: bool = False):
+    """The source's cache (and attention top-k for sparse replay; `layer_inputs`, kind='mot_h': its layer inputs in
+    the cache layout, `source_read`) and the target's native cache of the context; with `reads=True` a fourth value,
+    the target's `NativeReads` of the prompt after that cache (the attention term's)."""
+    source_cache, source_topk = source_read(source, batch.source_ids, batch.source_mask, topk, layer_inputs)
     _, native, _ = target.run_layers(batch.context, batch.context_mask, fresh=True)
     if not reads:
         return source_cache, source_topk, native

@@ -50,6 +50,7 @@ class Trainer:
         self.state = dict(params=params, opt_state=jax.jit(self.tx.init)(params), rng=rng)
         self.topk, self.reads_source = spec.attention_topk, spec.reads_source
         self.kind, self.total_steps = tcfg.kind, total_steps
+        self.layer_inputs = spec.layer_inputs  # kind='mot_h': the source hands over its layer inputs, not K/V
         self.compute_dtype = resolve_dtype(config.dtype)
         self.weights = objective.LossWeights.from_config(config.loss)
         replicated = NamedSharding(mesh, PartitionSpec())
@@ -70,11 +71,11 @@ class Trainer:
 
     def _loss(self, params, llm_states, batch, noise=None, prompt=False):
         _, source, target = self._models(params, llm_states)
-        side = None
+        reads, side = bool(self.weights.attention), None
         if batch.features is not None:  # the feature cache: the frozen forwards' outputs, read from disk
             frozen, side = batch.features.unpack()
         else:
-            frozen = objective.frozen_forwards(source, target, batch, self.topk, reads=bool(self.weights.attention))
+            frozen = objective.frozen_forwards(source, target, batch, self.topk, reads, self.layer_inputs)
 
         def loss_fn(p):
             translator, _, _ = self._models(p, llm_states)

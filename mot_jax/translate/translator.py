@@ -27,9 +27,10 @@ measure what they are worth).
 `KVTranslator` holds the trainable parameters (a K and a V mixture, or projector, and with `linear_skip` a linear map
 per window layer beside each, set by least squares before training: `linear_skip.py`; or C2C's K and V fusers,
 `c2c.py`, which add gated residuals to the target's own prefill: `fuse_receiver`; or LSC's, `lsc.py`, every source
-layer through a shared latent into every target layer); `translate` is the jittable
-function that training and evaluation share. The pipeline from text to a target cache (`read_source`,
-`CacheTranslator`) is `pipeline.py`.
+layer through a shared latent into every target layer; or MoT-h's one mixture, `mot_h.py`, from the source's window
+layers' input residual streams to the target's, which replace its own in its forward: `replace_inputs`);
+`translate` is the jittable function that training and evaluation share. The pipeline from text to a target cache
+(`read_source`, `CacheTranslator`) is `pipeline.py`.
 """
 
 from __future__ import annotations
@@ -46,14 +47,14 @@ from mot_jax.models import decoder
 from mot_jax.models.base import CausalLM, Injection, first_valid_index, positions_from_mask
 from mot_jax.models.layers import apply_rope, param
 from mot_jax.translate import align as alignment_lib
-from mot_jax.translate import c2c, channels, lsc
+from mot_jax.translate import c2c, channels, lsc, mot_h
 from mot_jax.translate.expert import TranslatorConfig
 from mot_jax.translate.mixture import MixtureOfTranslators
 from mot_jax.translate.projector import Projector
 
 MODES = ("replay", "direct")
 INPUTS = ("source", "embeddings", "hidden")  # what the translator may read per token (TranslationSpec.inputs)
-OUTPUTS = ("kv", "hidden")  # what it writes per token and layer (TranslationSpec.outputs)
+OUTPUTS = ("kv", "hidden")  # what it writes per token and layer (TranslationSpec.outputs; kind='mot_h': "residual")
 
 
 class NoMixture(nnx.Module):
@@ -74,6 +75,7 @@ KINDS = {
     "linear": NoMixture,
     "c2c": c2c.ResidualCacheFuser,
     "lsc": lsc.LatentTranslator,
+    "mot_h": MixtureOfTranslators,
 }
 alignment_lib.register_pytree()  # alignments enter jitted code here
 
@@ -92,11 +94,18 @@ class TranslationSpec:
     rotary: bool = False  # un-rotate source keys, translate, re-rotate at target positions
     native_bottom: int = 0  # direct: the target's own layers below this run over the context (their K/V native)
     inputs: tuple = ("source",)  # per token, a subset of INPUTS
-    outputs: str = "kv"  # K/V (paper), or layer inputs that the target's own K/V projections turn into K/V (ours)
+    # K/V (paper), or layer inputs that the target's own K/V projections turn into K/V (ours, "hidden"), or
+    # "residual" (kind='mot_h'): the window layers' input residual streams, replacing the target's own in its forward
+    outputs: str = "kv"
 
     @property
     def reads_source(self) -> bool:
         return "source" in self.inputs
+
+    @property
+    def layer_inputs(self) -> bool:
+        """kind='mot_h': the source hands over its layers' input residual streams (`source_read`), not its K/V."""
+        return self.outputs == "residual"
 
     @property
     def attention_topk(self) -> int:
@@ -131,16 +140,24 @@ class TranslationSpec:
         outputs="kv",
         fuse=False,
         every_source_layer=False,
+        residual=False,
         **kwargs,
     ):
         """`fuse` (kind='c2c'): a direct window of C2C's terminal alignment, the top min(Ls, Lt) layers of each side
         paired from the top, in place of every target layer. `every_source_layer` (kind='lsc'): a direct window that
         reads all source layers in order (not the full-depth map's one per target layer) and writes every target
-        layer."""
+        layer. `residual` (kind='mot_h'): outputs="residual", the window layers' input residual streams."""
         if mode not in MODES:
             raise MotJaxError(f"Unknown translation mode {mode!r}; use one of {', '.join(MODES)}.")
         if outputs not in OUTPUTS:
             raise MotJaxError(f"Unknown translator outputs {outputs!r}; use one of {', '.join(OUTPUTS)}.")
+        if residual:
+            if outputs != "kv":
+                raise MotJaxError(
+                    f"kind='mot_h' writes the window layers' input residual streams, not outputs={outputs!r}; "
+                    "leave outputs at 'kv' (its default)."
+                )
+            outputs = "residual"
         inputs = tuple(inputs)
         if not inputs or any(i not in INPUTS for i in inputs) or len(set(inputs)) < len(inputs):
             raise MotJaxError(f"Bad translator inputs {inputs!r}; pass a comma list of {', '.join(INPUTS)}.")
@@ -176,9 +193,10 @@ class TranslationSpec:
 def mixture_config(spec: TranslationSpec, source: CausalLM, target: CausalLM, **kwargs) -> TranslatorConfig:
     s, t = source.config, target.config
     target_features = sum(i != "source" for i in spec.inputs) * t.hidden_size
+    source_width = s.hidden_size if spec.layer_inputs else s.num_kv_heads * s.head_dim
     return TranslatorConfig(
-        source_width=s.num_kv_heads * s.head_dim * spec.reads_source + target_features,
-        target_width=t.hidden_size if spec.outputs == "hidden" else t.num_kv_heads * t.head_dim,
+        source_width=source_width * spec.reads_source + target_features,
+        target_width=t.hidden_size if spec.outputs in ("hidden", "residual") else t.num_kv_heads * t.head_dim,
         window=len(spec.target_layers),
         **kwargs | dict(source_window=len(spec.source_layers) if kwargs.get("kind") == "lsc" else 0),
     )
@@ -200,9 +218,14 @@ class LinearSkip(nnx.Module):
 class KVTranslator(nnx.Module):
     """Separate mixtures for K and V, as the paper (or, `cfg.kind="projector"`, the C2C-Project baseline's MLPs,
     `"c2c"`, C2C's fusers: `fuse`, or `"lsc"`, LSC's latent translators, all source layers to all target layers), and
-    with `cfg.linear_skip` a linear map beside each whose output is added to theirs."""
+    with `cfg.linear_skip` a linear map beside each whose output is added to theirs; `"mot_h"`: one mixture, `hidden`,
+    of residual streams (`replace_inputs`)."""
 
     def __init__(self, spec: TranslationSpec, cfg: TranslatorConfig, *, rngs, dtype=jnp.float32):
+        if cfg.kind == "mot_h":  # first: its rotary refusal says why rotary means nothing for it
+            mot_h.check_spec(spec, cfg)
+        elif spec.layer_inputs:
+            raise MotJaxError("outputs='residual' (residual streams in place of K/V) is MoT-h's; set kind='mot_h'.")
         if spec.rotary and cfg.output_activation != "none":
             raise MotJaxError("rotary=True needs output_activation='none' (rotated keys take any sign).")
         if cfg.kind not in KINDS:
@@ -215,6 +238,9 @@ class KVTranslator(nnx.Module):
             lsc.check_spec(spec, cfg)
         self.spec, self.cfg = spec, cfg
         if not spec.target_layers:  # native_bottom = L: nothing to translate (native context), no parameters
+            return
+        if cfg.kind == "mot_h":  # one mixture of the residual stream, not one per K and V
+            self.hidden = KINDS[cfg.kind](cfg, rngs=rngs, dtype=dtype)
             return
         self.key = KINDS[cfg.kind](cfg, rngs=rngs, dtype=dtype)
         self.value = KINDS[cfg.kind](cfg, rngs=rngs, dtype=dtype)
@@ -237,6 +263,18 @@ class KVTranslator(nnx.Module):
         k_out, gate_k = self.key(own_k, k, mask, k_noise)
         v_out, gate_v = self.value(own_v, v, mask, v_noise)
         return k_out, v_out, {"key": {}, "value": {}, "gate": jnp.stack([gate_k, gate_v])}
+
+
+def source_read(source: CausalLM, source_ids, source_mask, topk=0, layer_inputs=False):
+    """The source's prefill of its context as a translator reads it: (its cache, its attention's top-k key indices
+    [Ls, B, S, k] with `topk > 0`, else None). `layer_inputs` (kind='mot_h', `spec.layer_inputs`): the cache's K holds
+    every layer's input residual stream [Ls, B, S, D] as one head of width D, and V nothing (width 0), so that
+    batching, the alignment and `window_block` take the streams as they take K."""
+    _, cache, indices, *inputs = source.run_layers(source_ids, source_mask, topk=topk, layer_inputs=layer_inputs)
+    if layer_inputs:
+        streams = inputs[0][:, :, None].astype(cache.k.dtype)  # [Ls, B, 1, S, D]
+        cache = cache.replace(k=streams, v=streams[..., :0])
+    return cache, indices
 
 
 def rope_or_none(model: CausalLM):
@@ -441,6 +479,9 @@ def translate(
     if translator.cfg.kind == "c2c":
         args = (target_ids, mask, capacity or length, receiver, noise)
         return fuse_receiver(translator, source, target, source_cache, alignment, *args)
+    if translator.cfg.kind == "mot_h":
+        args = (target_ids, mask, capacity or length)
+        return replace_inputs(translator, source, target, source_cache, alignment, *args)
     side = side if side is not None else target_side(spec, target, target_ids, mask, capacity or length)
     cache = target.init_cache(batch, capacity or length)
     if spec.mode == "direct":  # the context's slots, with the native bottom layers' K/V
