@@ -12,7 +12,9 @@ import torch
 import transformers
 from flax import nnx
 from safetensors.numpy import save_file
+from test_export_torch import perturb
 
+from mot_jax.errors import MotJaxError
 from mot_jax.export import weights
 from mot_jax.export.torch_pipeline import CachePipeline
 from mot_jax.export.torch_translator import KVTranslator as TorchKVTranslator
@@ -61,10 +63,16 @@ def models(tmp_path_factory):
 @pytest.mark.parametrize("pair", [("random:llama", "random:gemma3"), ("random:gemma3", "random:llama")])
 def test_transformers_generation_from_the_exported_translation_equals_mot_jax(models, pair, mode, tmp_path):
     """Both directions: a Gemma-3 source has sliding layers (window 32 < the 56-token context)."""
-    (source, source_hf, source_tok), (target, target_hf, target_tok) = models[pair[0]], models[pair[1]]
+    source_side, target_side = models[pair[0]], models[pair[1]]
     spec = TranslationSpec.build(mode, channels.terminal(4, 4, 0.5), 4, 4, k_attn=4, dense_bottom=1)
-    cfg = mixture_config(spec, source, target, dim=32, heads=4, depth=1, mlp_ratio=2, num_experts=2, dispatch="dense")
-    translator = KVTranslator(spec, cfg, rngs=nnx.Rngs(3))
+    sizes = dict(dim=32, heads=4, depth=1, mlp_ratio=2, num_experts=2, dispatch="dense")
+    cfg = mixture_config(spec, source_side[0], target_side[0], **sizes)
+    assert_exported_serves_as_mot_jax(KVTranslator(spec, cfg, rngs=nnx.Rngs(3)), source_side, target_side, tmp_path)
+
+
+def assert_exported_serves_as_mot_jax(translator, source_side, target_side, tmp_path):
+    """The exported translator in `CachePipeline` gives mot_jax's cache of TEXT and its greedy tokens after it."""
+    (source, source_hf, source_tok), (target, target_hf, target_tok) = source_side, target_side
     ids = np.asarray([target_tok.encode(TEXT).ids], np.int32)
     mask = np.ones(ids.shape, bool)
     suffix = np.asarray([target_tok.encode(" Who counts ships?").ids], np.int32)
@@ -80,6 +88,43 @@ def test_transformers_generation_from_the_exported_translation_equals_mot_jax(mo
     )
     cache = pipe.from_target_ids(ids, mask)
     assert_hf_cache_and_generation(target_hf, cache, jax_cache, ids, suffix, expected)
+
+
+DIRECT = {  # name: (kind, native_bottom, inputs, outputs); the first is the project's best operating point
+    "linear-B2-source,embeddings,hidden": ("linear", 2, ("source", "embeddings", "hidden"), "kv"),
+    "mot+skip-B1-embeddings,hidden-to-hidden": ("mot", 1, ("embeddings", "hidden"), "hidden"),
+    "lsc": ("lsc", 0, ("source",), "kv"),
+}
+
+
+@pytest.mark.parametrize("case", list(DIRECT))
+def test_the_dials_switches_and_lsc_serve_in_transformers_as_in_mot_jax(models, case, tmp_path):
+    """The dial's switches (the target's own bottom layers, its embeddings and residual stream as inputs, layer
+    inputs as outputs), the linear skip alone, and LSC: the pipeline's cache equals mot_jax's, greedy tokens too."""
+    kind, bottom, inputs, outputs = DIRECT[case]
+    source, target = models["random:llama"][0], models["random:gemma3"][0]
+    ls, lt = source.config.num_layers, target.config.num_layers
+    spec = TranslationSpec.build(
+        "direct", None, ls, lt, native_bottom=bottom, inputs=inputs, outputs=outputs, every_source_layer=kind == "lsc"
+    )
+    sizes = dict(dim=32, heads=4, depth=1, mlp_ratio=2, num_experts=2, dispatch="dense", shared_slots=4, shared_dim=8)
+    cfg = mixture_config(spec, source, target, kind=kind, linear_skip=kind != "lsc", **sizes)
+    translator = KVTranslator(spec, cfg, rngs=nnx.Rngs(3))
+    perturb(translator, seed=4)  # the linear skip starts at zero
+    assert_exported_serves_as_mot_jax(translator, models["random:llama"], models["random:gemma3"], tmp_path)
+
+
+def test_what_the_pytorch_side_cannot_serve_is_refused_in_one_line(models):
+    source, target = models["random:llama"][0], models["random:gemma3"][0]
+    spec = TranslationSpec.build("direct", None, 4, 4, native_bottom=4)
+    translator = KVTranslator(spec, mixture_config(spec, source, target, dim=32, heads=4), rngs=nnx.Rngs(0))
+    with pytest.raises(MotJaxError, match="native_bottom=4 is every target layer: nothing is translated"):
+        weights.translator_config(translator, source, target)
+    gpt2 = tiny.load("random:gpt2")[0]
+    spec = TranslationSpec.build("direct", None, 4, 4, native_bottom=1, outputs="hidden")
+    translator = KVTranslator(spec, mixture_config(spec, source, gpt2, dim=32, heads=4), rngs=nnx.Rngs(0))
+    with pytest.raises(MotJaxError, match="outputs='hidden' covers rotary targets .* not 'gpt2'"):
+        weights.translator_config(translator, source, gpt2)
 
 
 def assert_hf_cache_and_generation(target_hf, cache, jax_cache, ids, suffix, expected):
@@ -150,16 +195,24 @@ def test_the_transformers_pipeline_imports_no_jax():
 
 
 @pytest.mark.slow
-def test_offline_real_pair_in_transformers_equals_mot_jax(tmp_path):
+@pytest.mark.parametrize("method", ["sparse-replay", "linear-B8-source,embeddings,hidden"])
+def test_offline_real_pair_in_transformers_equals_mot_jax(method, tmp_path):
     """SmolLM2-135M -> Gemma-3-270M (the folders mot_jax converted the GGUF files into, found by `from_export`),
-    sparse replay."""
+    sparse replay and the dial's best operating point (the target's 8 bottom layers native)."""
     from mot_jax.models.gguf import load_tokenizer
     from mot_jax.models.loading import load_model
 
     names = ("smollm2-135m", "gemma3-270m")
     (source, target), (source_tok, target_tok) = [load_model(n)[0] for n in names], [load_tokenizer(n) for n in names]
-    spec = TranslationSpec.build("replay", channels.terminal(30, 18, 0.3), 30, 18)
-    translator = KVTranslator(spec, mixture_config(spec, source, target, dim=64, heads=4, depth=1), rngs=nnx.Rngs(0))
+    if method == "sparse-replay":
+        spec = TranslationSpec.build("replay", channels.terminal(30, 18, 0.3), 30, 18)
+        cfg = mixture_config(spec, source, target, dim=64, heads=4, depth=1)
+    else:
+        spec = TranslationSpec.build("direct", None, 30, 18, native_bottom=8, inputs=("source", "embeddings", "hidden"))
+        cfg = mixture_config(spec, source, target, kind="linear", linear_skip=True)
+    translator = KVTranslator(spec, cfg, rngs=nnx.Rngs(0))
+    if method != "sparse-replay":
+        perturb(translator, seed=1, scale=0.02)  # the linear skip starts at zero
     ids = np.asarray([target_tok.encode(TEXT).ids], np.int32)
     suffix = np.asarray([target_tok.encode(" Question: Who counts ships? Answer:", add_special_tokens=False).ids])
     capacity = ids.shape[1] + suffix.shape[1] + NEW_TOKENS

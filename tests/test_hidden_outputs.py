@@ -147,11 +147,3 @@ def test_bad_outputs_are_refused_and_old_specs_write_kv():
     saved = TranslationSpec.build("direct", None, 3, 3).to_dict()
     del saved["outputs"]  # saved before the field existed
     assert TranslationSpec.from_dict(saved).outputs == "kv"
-
-
-def test_the_torch_export_refuses_hidden_outputs(random_pair):
-    from mot_jax.export.weights import translator_config
-
-    source, target, _, _ = random_pair
-    with pytest.raises(MotJaxError, match="outputs='kv'\\); evaluate this translator in JAX"):
-        translator_config(direct_translator(source, target), source, target)

@@ -16,7 +16,6 @@ from training_helpers import whole_and_resumed
 
 from mot_jax.errors import MotJaxError
 from mot_jax.evals.methods import method_name
-from mot_jax.export.weights import translator_config
 from mot_jax.jit import jit
 from mot_jax.translate import channels, lsc
 from mot_jax.translate.expert import TranslatorConfig
@@ -151,9 +150,6 @@ def test_refused_switches_in_one_line():
     for arg in ("lsc,replay", "lsc,c2c"):
         with pytest.raises(MotJaxError, match="Bad config argument"):
             load_config("smollm2_gemma3.py", arg)
-    translator = KVTranslator(build(), cfg, rngs=nnx.Rngs(0))
-    with pytest.raises(MotJaxError, match="^The PyTorch export does not cover kind='lsc' yet"):
-        translator_config(translator, None, None)
 
 
 @pytest.mark.slow

@@ -163,21 +163,9 @@ def test_the_source_free_method_runs_no_source_and_hands_nothing_over():
     np.testing.assert_allclose(np.asarray(cache.k), np.asarray(want.k), atol=1e-6, rtol=0)
 
 
-def test_the_torch_export_refuses_a_translator_reading_the_target(hf_pair):
-    from mot_jax.export.weights import translator_config
-
-    source, target, _ = hf_pair
-    assert translator_config(make(source, target, 0), source, target)["window"] == 3  # the paper's inputs export
-    for bottom, inputs in ((1, ("source",)), (0, ("source", "embeddings"))):
-        with pytest.raises(MotJaxError, match="evaluate this translator in JAX"):
-            translator_config(make(source, target, bottom, inputs), source, target)
-
-
 def test_a_linear_translator_is_its_skip_alone(hf_pair, batch):
     """kind='linear': the translated K/V are the linear skip's output, the same as a mixture whose own output is zero;
-    it needs the skip and does not export."""
-    from mot_jax.export.weights import translator_config
-
+    it needs the skip (its PyTorch export: tests/test_export_pipeline.py)."""
     source, target, _ = hf_pair
     ids, mask = batch
     linear = make(source, target, 1, ("source", "hidden"), kind="linear", linear_skip=True, output_activation="none")
@@ -201,5 +189,3 @@ def test_a_linear_translator_is_its_skip_alone(hf_pair, batch):
     np.testing.assert_allclose(got_k[rows], np.asarray(want)[rows], atol=1e-4, rtol=1e-4)
     with pytest.raises(MotJaxError, match="linear_skip=True"):
         make(source, target, 1, kind="linear")
-    with pytest.raises(MotJaxError, match="evaluate this translator in JAX"):
-        translator_config(linear, source, target)

@@ -1,10 +1,11 @@
 """Export a trained translator for PyTorch: `python -m mot_jax.export --workdir=DIR --out=OUT [--which=last|best|STEP]`.
 
-OUT gets `model.safetensors` (the experts and routers or the projector MLPs, and RoPE tables; no pickle) and
-`config.json` (the translator's shape, channel map and mode, and the training run's model names and alignment
-settings), and the marker `.mot_jax_output` that lets a later export replace it (`mot_jax.outputs`: never a
-workdir or a folder of other files). Load it with `mot_jax.export.torch_translator.KVTranslator.from_pretrained(OUT)`
-(torch only); `mot_jax.export.torch_pipeline` drives transformers models with it.
+OUT gets `model.safetensors` (the experts and routers, projector MLPs, linear skips, C2C fusers or LSC translators,
+and RoPE tables; no pickle) and `config.json` (the translator's shape, channel map, mode and dial switches, and the
+training run's model names and alignment settings), and the marker `.mot_jax_output` that lets a later export
+replace it (`mot_jax.outputs`: never a workdir or a folder of other files). Load it with
+`mot_jax.export.torch_translator.KVTranslator.from_pretrained(OUT)` (torch only); `mot_jax.export.torch_pipeline`
+drives transformers models with it.
 """
 
 from __future__ import annotations

@@ -9,7 +9,11 @@
                           cache=cache, max_new_tokens=20)
 
 `direct`: the translated K/V of every target layer are the cache (a `kind="c2c"` translator: the target's own
-cache of its context, its window layers' K/V fused with the source's). `replay`: the transformers target runs over its
+cache of its context, its window layers' K/V fused with the source's). With `native_bottom=B` the transformers
+target runs its own layers 0..B-1 over the context (`run_native_bottom`: hooks stop its forward there), whose K/V
+are the cache's bottom and which give the target-side inputs (`embeddings`, `hidden`); with `outputs="hidden"` the
+window layers' own norm and attention turn the translated layer inputs into K/V (`layer_key_values`); a translator
+without "source" in `inputs` runs no source. `replay`: the transformers target runs over its
 context with the translated K/V read by the window layers' attention (a registered attention function) and sparse
 top-k attention from the source's attention where the translator was trained with it; the cache it builds (its own
 recomputed K/V) is handed on, as in `mot_jax.translate.translator`.
@@ -28,6 +32,7 @@ fetched as mot_jax fetches it.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import re
 import sys
@@ -39,7 +44,7 @@ import transformers
 from transformers import AttentionInterface, DynamicCache
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
 
-from mot_jax.export.torch_translator import CONFIG_FILE, KVTranslator
+from mot_jax.export.torch_translator import CONFIG_FILE, KVTranslator, target_positions
 from mot_jax.paths import cache_root
 from mot_jax.translate.align import align_batch, encode_texts
 
@@ -113,6 +118,74 @@ def _left_padded_cache(config, layers, mask):
     for layer, (k, v) in enumerate(layers):
         cache.update(_shift_right(k, mask), _shift_right(v, mask), layer)
     return cache
+
+
+class _Stop(Exception):
+    """Raised by a hook to end a transformers forward early (the layers above are not needed)."""
+
+
+def decoder_layers(model):
+    """The decoder layers of a transformers causal LM (Llama-like `model.layers`, GPT-2's `h`, OPT's `decoder`)."""
+    base = model.base_model
+    base = getattr(base, "decoder", base)
+    return base.layers if hasattr(base, "layers") else base.h
+
+
+def run_native_bottom(model, ids, mask, bottom, inputs=()):
+    """The target's own layers 0..bottom-1 over right-padded contexts ids, mask [B, T] (the layers above do not run):
+    their full-length (K, V) per layer, and the inputs a translator reads of them (`inputs`: "embeddings", the
+    input of layer 0; "hidden", that of layer `bottom`, the residual stream after layer bottom-1), {name: [B, T, D]}."""
+    layers, seen = decoder_layers(model), {}
+    wanted = {"embeddings": 0, "hidden": bottom}
+    if not bottom and not inputs:  # nothing to run
+        return [], {}
+    stops = {wanted[name] for name in inputs} | {bottom}
+
+    def hook(index):
+        def record(module, args, kwargs):
+            seen[index] = args[0] if args else kwargs["hidden_states"]
+            if index == bottom:
+                raise _Stop
+
+        return record
+
+    cache = DynamicCache()  # full-length layers, also the sliding ones
+    handles = [layers[i].register_forward_pre_hook(hook(i), with_kwargs=True) for i in sorted(stops)]
+    try:
+        with contextlib.suppress(_Stop):
+            model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+    own = _cache_layers(cache)[:bottom]
+    return own, {name: seen[wanted[name]] for name in inputs}
+
+
+class _Capture:
+    """A cache that records the K/V a layer's attention caches and ends its forward there (no attention runs)."""
+
+    def update(self, key, value, *args, **kwargs):
+        self.kv = key, value
+        raise _Stop
+
+
+def layer_key_values(model, layers, x_k, x_v, mask):
+    """K and V [W, B, Kt, T, dt] of the target's window `layers` from residual-stream inputs x_k, x_v [W, B, T, D]:
+    each layer's own input norm and attention (K/V projections, k-norm, RoPE at the positions of the right-padded
+    mask [B, T]) computes them, as it caches them (outputs='hidden'; rotary decoders: Llama, Qwen2/3, Gemma-3)."""
+    positions, rotary = target_positions(mask), model.base_model.rotary_emb
+    typed = "layer_type" in inspect.signature(rotary.forward).parameters  # Gemma-3: local and global RoPE
+
+    def cached(layer, x):
+        block, capture = decoder_layers(model)[layer], _Capture()
+        rope = rotary(x, positions, *((model.config.layer_types[layer],) if typed else ()))
+        with contextlib.suppress(_Stop):
+            block.self_attn(block.input_layernorm(x), position_embeddings=rope, attention_mask=None, cache=capture)
+        return capture.kv
+
+    k = [cached(layer, x_k[slot].to(model.dtype))[0] for slot, layer in enumerate(layers)]
+    v = [cached(layer, x_v[slot].to(model.dtype))[1] for slot, layer in enumerate(layers)]
+    return torch.stack(k), torch.stack(v)
 
 
 def head_averaged_topk(attentions, k):
@@ -249,7 +322,10 @@ class CachePipeline:
         source_ids, source_mask, alignment = align_batch(
             self.target_tokenizer, self.source_tokenizer, target_ids, target_mask
         )
-        sparse = self.translator.config.mode == "replay" and self.translator.config.sparse_attention
+        cfg = self.translator.config
+        sparse = cfg.mode == "replay" and cfg.sparse_attention
+        if "source" not in cfg.inputs and not sparse:  # the source-free translator: the source does not run
+            return self.from_source_cache(None, alignment, target_ids, target_mask)
         out = self.source(
             input_ids=torch.as_tensor(source_ids, dtype=torch.long),
             attention_mask=torch.as_tensor(source_mask, dtype=torch.long),
@@ -263,22 +339,31 @@ class CachePipeline:
     def from_source_cache(self, source_cache, alignment, target_ids, target_mask, source_attentions=None):
         """The target cache from a source DynamicCache over the context (full-length layers), the alignment of its
         tokens onto the target's (`mot_jax.translate.align.align_batch`) and, for sparse replay, the source's
-        attention weights over the context (`output_attentions=True`)."""
+        attention weights over the context (`output_attentions=True`). `source_cache` is None for a translator that
+        reads no source (`inputs` without "source"). With `native_bottom=B` the target's own layers 0..B-1 read the
+        context first; the target-side inputs (`embeddings`, `hidden`) come from that run."""
         cfg = self.translator.config
-        layers = _cache_layers(source_cache)
         if cfg.kind == "c2c":
-            return self._fused(layers, alignment, target_ids, target_mask)
-        k, v = self.translator.translate_window(
-            [kv[0] for kv in layers], [kv[1] for kv in layers], alignment.weights, np.asarray(target_mask, bool)
-        )
+            return self._fused(_cache_layers(source_cache), alignment, target_ids, target_mask)
         ids = torch.as_tensor(np.asarray(target_ids), dtype=torch.long)
         mask = torch.as_tensor(np.asarray(target_mask), dtype=torch.long)
+        target_inputs = [name for name in cfg.inputs if name != "source"]
+        bottom, features = run_native_bottom(self.target, ids, mask, cfg.native_bottom, target_inputs)
+        source = (None, None, None)
+        if "source" in cfg.inputs:
+            if source_cache is None:
+                raise ValueError("The translator reads the source's K/V; pass the source's cache of the context.")
+            layers = _cache_layers(source_cache)
+            source = ([kv[0] for kv in layers], [kv[1] for kv in layers], alignment.weights)
+        k, v = self.translator.translate_window(*source, mask.bool(), **features)
+        if cfg.outputs == "hidden":  # layer inputs: the target's own layers make them K/V
+            k, v = layer_key_values(self.target, cfg.target_layers, k, v, mask)
         # the first token sees only itself: its K/V are the target's own, not translated (as mot_jax)
         own = _cache_layers(self.target(input_ids=ids[:, :1], cache=DynamicCache(), use_cache=True).cache)
         for slot, layer in enumerate(cfg.target_layers):
             k[slot][:, :, :1], v[slot][:, :, :1] = own[layer][0].to(k.dtype), own[layer][1].to(v.dtype)
         if cfg.mode == "direct":
-            return _left_padded_cache(self.target.config, list(zip(k, v)), mask)
+            return _left_padded_cache(self.target.config, bottom + list(zip(k, v)), mask)
         allowed = None
         if cfg.sparse_attention:
             if source_attentions is None:

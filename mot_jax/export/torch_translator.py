@@ -15,8 +15,17 @@ translated K and V of the window's target layers (`config.target_layers`), each 
 Every parameter keeps the JAX layout and name: leading [expert] or [expert, block] axes, Linear kernels [in, out].
 Each expert runs on every token (dense): the JAX sparse dispatch is dropless, so it gives the same numbers. A translator
 of `kind="projector"` (the C2C-Project baseline) holds a `Projector` per K and V instead of a `Mixture`; one of
-`kind="c2c"` (the C2C fuser) a `Fuser` per K and V, called through `fuse_window` with the target's own cache of the
-context (its gate hard, as at evaluation).
+`kind="linear"` only its linear skips (`NoMixture` beside them); one of `kind="lsc"` a `LatentTranslator` per K and V
+(every source layer through the shared latent into every target layer); one of `kind="c2c"` (the C2C fuser) a `Fuser`
+per K and V, called through `fuse_window` with the target's own cache of the context (its gate hard, as at
+evaluation).
+
+The dial's switches (`config.native_bottom`, `inputs`, `outputs`): a translator that reads the target's own input
+embeddings or its residual stream after its native bottom layers takes them as `translate_window(...,
+embeddings=, hidden=)` [B, T, D] (RMS-normalised here, as in JAX); without "source" in `inputs` it reads no source
+cache; with `outputs="hidden"` it returns the window layers' inputs [W, B, T, D], which the target's own layers turn
+into K/V. Running the target's bottom layers and its K/V projections needs the target model:
+`torch_pipeline.CachePipeline` does both.
 """
 
 from __future__ import annotations
@@ -39,8 +48,7 @@ MASK_VALUE = -1e30  # finite: a query with no visible key gets a uniform softmax
 class TorchTranslatorConfig:
     """The exported config.json: TranslatorConfig and TranslationSpec fields and the two models' cache shapes.
 
-    Mirrors the JAX fields and their defaults (tests/test_export_torch.py checks that they agree), less
-    `native_bottom`, `inputs` and `outputs`, which the export accepts only at their defaults (0, source alone, kv).
+    Mirrors the JAX fields and their defaults (tests/test_export_torch.py checks that they agree).
     """
 
     source_width: int  # source kv_heads * head_dim
@@ -56,7 +64,9 @@ class TorchTranslatorConfig:
     target_head_dim: int
     source_rotary: bool = False  # the source model uses RoPE
     target_rotary: bool = False
-    kind: str = "mot"  # "mot" (a Mixture per K and V) | "projector" (a Projector) | "c2c" (a Fuser)
+    target_hidden_size: int = 0  # the target's residual width: its features' and hidden outputs' (0: unused)
+    kind: str = "mot"  # "mot" (a Mixture per K and V) | "projector" (a Projector) | "linear" (the skip alone)
+    # | "c2c" (a Fuser) | "lsc" (a LatentTranslator)
     dim: int = 1024
     heads: int = 16
     depth: int = 2
@@ -69,38 +79,64 @@ class TorchTranslatorConfig:
     dispatch: str = "sparse"
     capacity_factor: float = 1.25
     linear_skip: bool = False  # a linear map per window layer beside the mixture or projector, output added
+    shared_slots: int = 32  # lsc: the latent per token, shared_slots x shared_dim
+    shared_dim: int = 128
+    source_window: int = 0  # lsc: the source layers it reads (every one); 0 for the others
     mode: str = "replay"
     layer_map: tuple = ()
     sparse_attention: bool = True
     k_attn: int = 32
     dense_bottom: int = 2
     rotary: bool = False
+    native_bottom: int = 0  # direct: the target's own layers below this read the context (CachePipeline runs them)
+    inputs: tuple = ("source",)  # per token: the source's K/V, the target's embeddings, its residual stream
+    outputs: str = "kv"  # K/V, or layer inputs that the target's own K/V projections turn into K/V ("hidden")
 
     def __post_init__(self):
         for name in ("source_layers", "target_layers", "layer_map"):
             object.__setattr__(self, name, tuple(int(i) for i in getattr(self, name)))
+        object.__setattr__(self, "inputs", tuple(self.inputs))
         mot = self.kind == "mot"  # a projector or fuser reads none of the mixture's routing fields
+        kinds = ("mot", "projector", "linear", "c2c", "lsc")
+        source_window = self.source_window or self.window
+        target_kv_width = self.target_kv_heads * self.target_head_dim
+        features = sum(i in ("embeddings", "hidden") for i in self.inputs) * self.target_hidden_size
         checks = [
-            (self.kind in ("mot", "projector", "c2c"), f"kind={self.kind!r} must be 'mot', 'projector' or 'c2c'"),
+            (self.kind in kinds, f"kind={self.kind!r} must be one of {', '.join(kinds)}"),
+            (self.kind != "linear" or self.linear_skip, "kind='linear' needs linear_skip=true"),
+            (
+                bool(self.inputs) and set(self.inputs) <= {"source", "embeddings", "hidden"},
+                f"inputs={list(self.inputs)} must be a subset of source, embeddings, hidden",
+            ),
+            (self.outputs in ("kv", "hidden"), f"outputs={self.outputs!r} must be 'kv' or 'hidden'"),
+            (
+                0 <= self.native_bottom < self.target_num_layers and (self.mode == "direct" or not self.native_bottom),
+                f"native_bottom={self.native_bottom} must be 0, or below the target's layers in mode='direct'",
+            ),
+            ("hidden" not in self.inputs or self.native_bottom, "the 'hidden' input needs native_bottom > 0"),
             (not mot or 1 <= self.top_k <= self.num_experts, f"top_k={self.top_k} must be in 1..num_experts"),
             (not mot or self.dispatch in ("dense", "sparse"), f"dispatch={self.dispatch!r} must be dense or sparse"),
             (self.output_activation in ("gelu", "none"), f"output_activation={self.output_activation!r} is unknown"),
             (
-                self.kind == "projector" or self.dim % self.heads == 0,
+                self.kind in ("projector", "linear") or self.dim % self.heads == 0,
                 f"dim={self.dim} must be divisible by heads={self.heads}",
             ),
             (not self.rotary or self.output_activation == "none", "rotary=true needs output_activation='none'"),
             (
-                len(self.source_layers) == len(self.target_layers) == self.window,
-                f"window={self.window} must equal the number of source_layers and target_layers",
+                self.window >= 1
+                and len(self.target_layers) == self.window
+                and len(self.source_layers) == source_window,
+                f"window={self.window} must equal the number of target_layers and source_window (or window) that of "
+                "source_layers",
             ),
             (
-                self.source_width == self.source_kv_heads * self.source_head_dim,
-                "source_width must equal source_kv_heads * source_head_dim",
+                self.source_width == self.source_kv_heads * self.source_head_dim * ("source" in self.inputs) + features,
+                "source_width must equal source_kv_heads * source_head_dim (when it reads the source) plus "
+                "target_hidden_size per target-side input",
             ),
             (
-                self.target_width == self.target_kv_heads * self.target_head_dim,
-                "target_width must equal target_kv_heads * target_head_dim",
+                self.target_width == (self.target_hidden_size if self.outputs == "hidden" else target_kv_width),
+                "target_width must equal target_kv_heads * target_head_dim (outputs='hidden': target_hidden_size)",
             ),
             (
                 all(0 <= i < self.source_num_layers for i in self.source_layers)
@@ -183,10 +219,10 @@ class Linear(nn.Module):
 class CrossAttentionBlocks(nn.Module):
     """The R x W un-shared cross-attention blocks of every expert: parameters [expert, block, ...]."""
 
-    def __init__(self, cfg: TorchTranslatorConfig, experts=True):
-        """`experts=False`: no expert axis, the blocks of one chain (a Fuser's)."""
+    def __init__(self, cfg: TorchTranslatorConfig, experts=True, count=None):
+        """`experts=False`: no expert axis, the blocks of one chain (a Fuser's); `count` blocks (default R x W)."""
         super().__init__()
-        lead, d, hidden = (cfg.depth * cfg.window,), cfg.dim, cfg.mlp_ratio * cfg.dim
+        lead, d, hidden = (count or cfg.depth * cfg.window,), cfg.dim, cfg.mlp_ratio * cfg.dim
         lead = (cfg.num_experts, *lead) if experts else lead
         self.heads, self.experts = cfg.heads, experts
         self.norm_q, self.norm_ctx = LayerNorm(*lead, d), LayerNorm(*lead, d)
@@ -378,6 +414,88 @@ class Fuser(nn.Module):
         return receiver + gate[:, None] * y.to(receiver.dtype)
 
 
+class NoMixture(nn.Module):
+    """kind='linear': nothing beside the linear skip (zeros of the target width), as JAX's `NoMixture`."""
+
+    def __init__(self, cfg: TorchTranslatorConfig):
+        super().__init__()
+        self.width = cfg.target_width
+
+    def forward(self, x, token_mask=None):
+        return x.new_zeros(*x.shape[:-1], self.width)
+
+
+def one_stage_chain(blocks, context, visible):
+    """One stage of un-shared blocks over context [B, T, L, D], from its layer 0 (block l reads layer l): the L states
+    [B, T, L, D]."""
+    g, states = context[None, :, :, 0], []
+    for layer in range(context.shape[2]):
+        g = blocks(g, context[None, :, :, layer], visible, layer)
+        states.append(g[0])
+    return torch.stack(states, dim=2)
+
+
+class LocalToShared(nn.Module):
+    """LSC: a model's K (or V) at all its `layers` layers [B, T, layers, width] to the latent [B, T, slots * dim]
+    (JAX: `mot_jax.translate.lsc.LocalToShared`)."""
+
+    def __init__(self, cfg: TorchTranslatorConfig, layers: int, width: int):
+        super().__init__()
+        d = cfg.dim
+        self.input_norm, self.input_proj = LayerNorm(width), Linear(din=width, dout=d)
+        self.blocks = CrossAttentionBlocks(cfg, experts=False, count=layers)
+        self.output_norm = LayerNorm(layers * d)
+        self.output_proj = Linear(din=layers * d, dout=cfg.shared_slots * cfg.shared_dim)
+
+    def forward(self, x, visible):
+        norm = lambda x, n: layer_norm(x, n.scale, n.bias, False)
+        context = gelu(norm(x, self.input_norm) @ self.input_proj.kernel + self.input_proj.bias)
+        states = one_stage_chain(self.blocks, context, visible)
+        flat = norm(states.reshape(*x.shape[:2], -1), self.output_norm)
+        return gelu(flat @ self.output_proj.kernel + self.output_proj.bias)
+
+
+class SharedToLocal(nn.Module):
+    """LSC: the latent [B, T, slots * dim] to a model's K (or V) at all its `layers` layers [B, T, layers, width]
+    (JAX: `mot_jax.translate.lsc.SharedToLocal`)."""
+
+    def __init__(self, cfg: TorchTranslatorConfig, layers: int, width: int):
+        super().__init__()
+        d, latent = cfg.dim, cfg.shared_slots * cfg.shared_dim
+        self.input_norm, self.input_proj = LayerNorm(latent), Linear(din=latent, dout=layers * d)
+        self.blocks = CrossAttentionBlocks(cfg, experts=False, count=layers)
+        self.output_norm, self.output_proj = LayerNorm(layers * d), Linear(din=layers * d, dout=layers * width)
+        self.layers, self.output_gelu = layers, cfg.output_activation == "gelu"
+
+    def forward(self, z, visible):
+        b, t = z.shape[:2]
+        norm = lambda x, n: layer_norm(x, n.scale, n.bias, False)
+        context = gelu(norm(z, self.input_norm) @ self.input_proj.kernel + self.input_proj.bias)
+        states = one_stage_chain(self.blocks, context.reshape(b, t, self.layers, -1), visible)
+        y = norm(states.reshape(b, t, -1), self.output_norm) @ self.output_proj.kernel + self.output_proj.bias
+        return (gelu(y) if self.output_gelu else y).reshape(b, t, self.layers, -1)
+
+
+class LatentTranslator(nn.Module):
+    """LSC's K or V translator (JAX: `mot_jax.translate.lsc.LatentTranslator`): every source layer through the shared
+    latent into every window (target) layer."""
+
+    def __init__(self, cfg: TorchTranslatorConfig):
+        super().__init__()
+        self.causal = cfg.causal
+        self.to_shared = LocalToShared(cfg, len(cfg.source_layers), cfg.source_width)
+        self.from_shared = SharedToLocal(cfg, cfg.window, cfg.target_width)
+
+    def forward(self, x, token_mask):
+        """x [B, T, Ls, ds], token_mask [B, T] bool -> y [B, T, W, dt]."""
+        t = x.shape[1]
+        visible = token_mask.bool()[:, None, :]
+        if self.causal:
+            positions = torch.arange(t, device=x.device)
+            visible = visible & (positions[None, None, :] <= positions[None, :, None])
+        return self.from_shared(self.to_shared(x, visible), visible)
+
+
 class Rope(nn.Module):
     """Per-layer RoPE inverse frequencies of the source [Ls, ds/2] and target [Lt, dt/2] models (buffers)."""
 
@@ -413,15 +531,23 @@ class LinearSkip(nn.Module):
         return torch.einsum("btwi,wio->btwo", x, self.kernel) + self.bias
 
 
+def rms_normalized(x):
+    """A target-side input per token, RMS-normalised in fp32 (as JAX's `translator.rms_normalized`)."""
+    x = x.float()
+    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6)
+
+
 class KVTranslator(nn.Module):
-    """A K and a V mixture or projector (`key`, `value`), with `linear_skip` a linear map beside each (`key_skip`,
-    `value_skip`) and, for rotary translators, the RoPE tables (`rope`)."""
+    """A K and a V mixture, projector, fuser or LSC translator (`key`, `value`; none for kind='linear'), with
+    `linear_skip` a linear map beside each (`key_skip`, `value_skip`) and, for rotary translators, the RoPE tables
+    (`rope`)."""
 
     def __init__(self, config: TorchTranslatorConfig | dict):
         super().__init__()
         cfg = config if isinstance(config, TorchTranslatorConfig) else TorchTranslatorConfig.from_dict(config)
         self.config = cfg
-        module = {"projector": Projector, "c2c": Fuser}.get(cfg.kind, Mixture)
+        kinds = {"projector": Projector, "linear": NoMixture, "c2c": Fuser, "lsc": LatentTranslator}
+        module = kinds.get(cfg.kind, Mixture)
         self.key, self.value = module(cfg), module(cfg)
         if cfg.linear_skip:
             self.key_skip, self.value_skip = LinearSkip(cfg), LinearSkip(cfg)
@@ -473,7 +599,7 @@ class KVTranslator(nn.Module):
 
     @property
     def dtype(self):
-        return next(self.key.parameters()).dtype
+        return next(self.parameters()).dtype
 
     def _stack(self, cache, name):
         """Per-layer list of [B, K, S, d] or stacked [L, B, K, S, d] -> the window's layers [B, S, W, K, d]."""
@@ -499,21 +625,59 @@ class KVTranslator(nn.Module):
         x = torch.stack([cache[i] for i in cfg.source_layers], dim=0)  # [W, B, K, S, d]
         return x.permute(1, 3, 0, 2, 4).to(self.dtype)
 
-    def translate_window(self, source_k, source_v, alignment_weights, target_mask=None, source_positions=None):
-        """The translated K and V of the window's target layers, each [W, B, Kt, T, dt].
+    def translate_window(
+        self,
+        source_k=None,
+        source_v=None,
+        alignment_weights=None,
+        target_mask=None,
+        source_positions=None,
+        embeddings=None,
+        hidden=None,
+    ):
+        """The translated K and V of the window's target layers, each [W, B, Kt, T, dt]; with outputs='hidden' the
+        window layers' inputs for keys and for values, each [W, B, T, D], which the target's own layers turn into K/V
+        (`torch_pipeline.layer_key_values`).
 
         source_k, source_v: the source cache, per layer [B, Ks, S, ds] or stacked [Ls, B, Ks, S, ds] (keys after
         RoPE, as transformers caches them); alignment_weights [B, T, S]; target_mask [B, T] (default all valid);
-        source_positions [B, S], the RoPE positions of the source slots (default 0..S-1, right padding).
+        source_positions [B, S], the RoPE positions of the source slots (default 0..S-1, right padding). Only
+        when `config.inputs` names them: the source's arguments ('source'), the target's input embeddings of the
+        context [B, T, D] (`embeddings`) and its residual stream before layer `native_bottom` [B, T, D] (`hidden`).
         """
         cfg = self.config
         if cfg.kind == "c2c":
             raise ValueError("A kind='c2c' translator fuses into the target's own cache; call fuse_window.")
-        k_in, v_in, mask = self._aligned(source_k, source_v, alignment_weights, target_mask, source_positions)
+        parts_k, parts_v, mask = [], [], target_mask
+        if "source" in cfg.inputs:
+            k, v, mask = self._aligned(source_k, source_v, alignment_weights, target_mask, source_positions)
+            parts_k, parts_v = [k], [v]
+        given = {"embeddings": embeddings, "hidden": hidden}
+        for name in (i for i in cfg.inputs if i != "source"):
+            if given[name] is None:
+                raise ValueError(f"The translator reads the target's {name} (config inputs); pass {name}=[B, T, D].")
+            x = rms_normalized(torch.as_tensor(given[name]))
+            shared = x[:, :, None].expand(*x.shape[:2], cfg.window, x.shape[-1]).to(self.dtype)
+            parts_k.append(shared), parts_v.append(shared)
+        b, t = parts_k[0].shape[:2]
+        if "source" not in cfg.inputs:
+            mask = self._mask(target_mask, b, t, parts_k[0].device)
+        k_in, v_in = torch.cat(parts_k, -1), torch.cat(parts_v, -1)
         k, v = self.key(k_in, mask), self.value(v_in, mask)
         if cfg.linear_skip:
             k, v = k + self.key_skip(k_in), v + self.value_skip(v_in)
+        if cfg.outputs == "hidden":
+            return k.permute(2, 0, 1, 3), v.permute(2, 0, 1, 3)
         return self._to_cache(k, v, mask)
+
+    @staticmethod
+    def _mask(target_mask, b, t, device):
+        if target_mask is None:
+            return torch.ones(b, t, dtype=torch.bool, device=device)
+        mask = torch.as_tensor(target_mask, device=device).bool()
+        if tuple(mask.shape) != (b, t):
+            raise ValueError(f"target_mask is {tuple(mask.shape)}, not [B={b}, T={t}]; pass one flag per target token.")
+        return mask
 
     def fuse_window(self, target_k, target_v, source_k, source_v, alignment_weights, target_mask=None):
         """kind='c2c': the window layers' K and V of the target's own cache of the context (`target_k`, `target_v`:
@@ -539,12 +703,7 @@ class KVTranslator(nn.Module):
                 "source cache onto the target tokens."
             )
         t = weights.shape[1]
-        if target_mask is None:
-            mask = torch.ones(b, t, dtype=torch.bool, device=k.device)
-        else:
-            mask = torch.as_tensor(target_mask, device=k.device).bool()
-        if tuple(mask.shape) != (b, t):
-            raise ValueError(f"target_mask is {tuple(mask.shape)}, not [B={b}, T={t}]; pass one flag per target token.")
+        mask = self._mask(target_mask, b, t, k.device)
         if cfg.apply_rotary:  # un-rotate the source keys by their own positions
             if source_positions is None:
                 positions = torch.arange(s, device=k.device).expand(b, s)
@@ -555,8 +714,9 @@ class KVTranslator(nn.Module):
                 [apply_rope(k[:, :, i], -positions, freq[li]) for i, li in enumerate(cfg.source_layers)], dim=2
             )
         resample = lambda x: torch.einsum("bts,bsw->btw", weights.float(), x.reshape(b, s, -1).float())
-        k = resample(k).reshape(b, t, cfg.window, -1).to(self.dtype)  # [B, T, W, Ks * ds]
-        v = resample(v).reshape(b, t, cfg.window, -1).to(self.dtype)
+        w = len(cfg.source_layers)  # the window's (LSC: every source layer)
+        k = resample(k).reshape(b, t, w, -1).to(self.dtype)  # [B, T, W, Ks * ds]
+        v = resample(v).reshape(b, t, w, -1).to(self.dtype)
         return k, v, mask
 
     def _to_cache(self, k, v, mask):
@@ -588,6 +748,8 @@ __all__ = [
     "Router",
     "Projector",
     "Fuser",
+    "NoMixture",
+    "LatentTranslator",
     "LinearSkip",
     "TorchTranslatorConfig",
     "load",

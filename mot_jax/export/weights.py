@@ -1,7 +1,8 @@
 """A KVTranslator's weights and config as plain numpy / JSON, for `mot_jax.export.torch_translator`.
 
 `export(translator, source, target, folder)` writes `folder/config.json` and `folder/model.safetensors`; the torch
-side loads them with `KVTranslator.from_pretrained(folder)` and imports no JAX.
+side loads them with `KVTranslator.from_pretrained(folder)` and imports no JAX. Every kind of `SERVED_KINDS` exports,
+with the dial's switches (`translator_config` says what it refuses).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from mot_jax.models.base import ModelConfig
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 FORMAT = "mot_jax.kv_translator"
+SERVED_KINDS = ("mot", "projector", "linear", "c2c", "lsc")  # what `torch_translator.KVTranslator` computes
+SERVED_OUTPUTS = ("kv", "hidden")
 
 
 def _config(model) -> ModelConfig:
@@ -49,22 +52,34 @@ def translator_tensors(translator, source=None, target=None) -> dict[str, np.nda
 
 
 def translator_config(translator, source, target) -> dict:
-    """JSON-serialisable: the TranslatorConfig and TranslationSpec fields and the two models' cache shapes."""
-    if translator.cfg.kind == "lsc":
-        raise MotJaxError("The PyTorch export does not cover kind='lsc' yet; evaluate this translator in JAX.")
-    spec = translator.spec.to_dict()
-    reads_target = spec.pop("native_bottom") or tuple(spec.pop("inputs")) != ("source",)
-    if reads_target or spec.pop("outputs") != "kv" or translator.cfg.kind == "linear":
+    """JSON-serialisable: the TranslatorConfig and TranslationSpec fields and the two models' cache shapes. Refuses,
+    in one line, what the PyTorch side cannot serve: another kind or outputs than `SERVED`, a translator with nothing
+    to translate (native_bottom = the target's layers), and layer-input outputs (outputs='hidden') for a target other
+    than a rotary decoder."""
+    spec = translator.spec
+    if translator.cfg.kind not in SERVED_KINDS or spec.outputs not in SERVED_OUTPUTS:
         raise MotJaxError(
-            "The PyTorch export covers mixtures and projectors that read the source alone and write K/V "
-            "(native_bottom=0, inputs='source', outputs='kv'); evaluate this translator in JAX."
+            f"The PyTorch export covers kind={'/'.join(SERVED_KINDS)} writing outputs='kv' or 'hidden', not "
+            f"kind={translator.cfg.kind!r} with outputs={spec.outputs!r}; evaluate this translator in JAX."
+        )
+    if not spec.target_layers:
+        raise MotJaxError(
+            f"native_bottom={spec.native_bottom} is every target layer: nothing is translated, so there is nothing "
+            "to export; serve the target reading its context itself (native)."
+        )
+    target_cfg = _config(target)
+    if spec.outputs == "hidden" and not target_cfg.rotary:
+        raise MotJaxError(
+            f"The PyTorch export of outputs='hidden' covers rotary targets (Llama, Qwen2, Qwen3, Gemma-3), not "
+            f"{target_cfg.family!r}; evaluate this translator in JAX or train it with outputs='kv'."
         )
     out = {"format": FORMAT, "format_version": 1}
-    out |= translator.cfg.to_dict() | spec
+    out |= translator.cfg.to_dict() | spec.to_dict()
     for side, model in (("source", source), ("target", target)):
         cfg = _config(model)
         out |= {f"{side}_num_layers": cfg.num_layers, f"{side}_kv_heads": cfg.num_kv_heads}
         out |= {f"{side}_head_dim": cfg.head_dim, f"{side}_rotary": cfg.rotary}
+    out["target_hidden_size"] = target_cfg.hidden_size
     out["apply_rotary"] = _rotary(translator, source, target)
     return out
 
