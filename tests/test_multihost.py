@@ -10,6 +10,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from conftest import CHEAP_COMPILE_FLAGS
 from flax import nnx
 
 from mot_jax import multihost
@@ -46,9 +47,8 @@ def run(processes: int, workdirs: list, steps: int, cache: Path) -> tuple[list[i
     """`python -m mot_jax.train` as `processes` processes sharing 8 CPU devices, process i in `workdirs[i]`; returns
     their exit codes and outputs."""
     env = os.environ | dict(
-        # cheaper XLA compiles (a third less time; both layouts compile alike)
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={8 // processes} --xla_backend_optimization_level=0 "
-        "--xla_llvm_disable_expensive_passes=true",
+        # the cheaper XLA compiles of conftest.py (both layouts compile alike)
+        XLA_FLAGS=" ".join((f"--xla_force_host_platform_device_count={8 // processes}", *CHEAP_COMPILE_FLAGS)),
         JAX_PLATFORMS="cpu",
         JAX_DEFAULT_MATMUL_PRECISION="highest",  # as conftest.py
         JAX_COMPILATION_CACHE_DIR=str(cache),  # the resumed runs reuse the first runs' programs

@@ -5,7 +5,8 @@
                                                 # 512 tokens, and the offline pair at 128 / 512 / 2,048 tokens
   python -m mot_jax.bench mixture               # sparse against dense mixture, N = 2, 4, 8 and k = 1, 2
   python -m mot_jax.bench align                 # alignment of 2,048-token texts against the per-token reference
-  python -m mot_jax.bench ttft                  # native / replay / direct time to first token (evals.latency)
+  python -m mot_jax.bench ttft                  # every method's time to first token, side by side (evals.latency):
+                                                # native, text relay, each translator kind, KVComm (homogeneous)
   python -m mot_jax.bench ttft --workdirs=DIR   # ... of trained translators (training workdirs) instead of untrained
   python -m mot_jax.bench train                 # the training step of configs/smollm2_gemma3.py (replay and direct)
   python -m mot_jax.bench features              # K/V-space training steps: frozen forwards live vs the feature cache
@@ -40,7 +41,9 @@ from mot_jax.bench.train import bench_train
 from mot_jax.bench.ttft import bench_ttft
 
 # --quick compiles with XLA's cheap CPU pipeline (it halves the compile time; the numbers mean nothing anyway)
-QUICK_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+QUICK_XLA_FLAGS = (
+    "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false"
+)
 
 PARTS = {
     "models": bench_models,
