@@ -172,6 +172,7 @@ def real_pair():
     return load_model("smollm2-135m")[0], load_model("gemma3-270m")[0]
 
 
+@pytest.mark.slow  # the real models
 @pytest.mark.parametrize("mode", ["replay", "direct"])
 def test_cache_translator_on_the_offline_pair(real_pair, mode):
     """Text in, a target cache out, on the real heterogeneous pair (other depth, width, heads, tokenizer)."""
