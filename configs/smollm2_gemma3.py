@@ -5,7 +5,10 @@ The argument picks the run, as a comma list: `replay` (default) or `direct`; `si
 residuals from the source's K/V at its layers; direct, suffix CE only) or `lsc` (the LSC baseline: every source
 layer's K/V through a shared latent into every target layer's, at the reference's sizes; direct, suffix CE only) or
 `mot_h` (MoT-h: the mixture translates the source's window layers' input residual streams into the target's, which
-replace its own in a dense forward over the context; replay, MoT's loss) in place of the mixture; `skip` for a
+replace its own in a dense forward over the context; replay, MoT's loss) or `interlat` (the Interlat baseline: the
+source's last-layer hidden states through the reference's adapter are the target's input embeddings, whose forward
+builds its cache; direct, the suffix CE plus the reference's plan-similarity and random-contrast terms) in place of
+the mixture; `skip` for a
 least-squares-started linear skip beside the mixtures (with keys translated un-rotated and no output GELU);
 `reverse` for Gemma-3 -> SmolLM2; `tiny` to run it on tiny random models in seconds.
 
@@ -14,6 +17,7 @@ least-squares-started linear skip beside the mixtures (with keys translated un-r
     python -m mot_jax.train --config=configs/smollm2_gemma3.py:c2c --workdir=$HOME/runs/s2g_c2c  # time unmeasured
     python -m mot_jax.train --config=configs/smollm2_gemma3.py:lsc --workdir=$HOME/runs/s2g_lsc  # time unmeasured
     python -m mot_jax.train --config=configs/smollm2_gemma3.py:mot_h --workdir=$HOME/runs/s2g_mot_h  # unmeasured
+    python -m mot_jax.train --config=configs/smollm2_gemma3.py:interlat --workdir=$HOME/runs/s2g_interlat  # unmeasured
 
 Contexts of 191 target tokens (BOS first) like the evaluation passages (~190 tokens with the instruction), a
 64-token prompt, 4 sequences per step; a mixture of 2 experts (k=1, one block per layer) over the top 30% of the
@@ -22,16 +26,18 @@ replay ~20 minutes, direct ~12 (the first run also converts both models and prep
 reference's sizes (translator dim 512, 16 heads, ratio 4, 32 x 128 latent) has 589M trainable parameters (K and V;
 AdamW's state alone ~7 GB in fp32): far slower, unmeasured. `mot_h` has replay's mixture sizes and window (the
 top 30%; per layer a 576-wide SmolLM2 stream in, a 640-wide Gemma-3 stream out, through the reference's output GELU)
-and a dense target forward in place of the sparse replay; its time and result are unmeasured. Measured results and
-the evaluation commands: RESULTS.md.
+and a dense target forward in place of the sparse replay; its time and result are unmeasured. `interlat`'s adapter
+(576 -> 640, 8 attention heads over the context: 2.8M parameters) is small, but each step runs the target three times
+over the prompt (after the translated, the native and a mismatched cache) and twice over the context's latents; its
+time and result are unmeasured. Measured results and the evaluation commands: RESULTS.md.
 """
 
 from mot_jax.errors import MotJaxError
 from mot_jax.training.config import base, tiny
 
-CHOICES = ("replay", "direct", "single", "projector", "c2c", "lsc", "mot_h", "skip", "reverse", "tiny")
-KINDS = ("single", "projector", "c2c", "lsc", "mot_h")  # at most one: what replaces the mixture
-DIRECT_ONLY = ("c2c", "lsc")
+CHOICES = ("replay", "direct", "single", "projector", "c2c", "lsc", "mot_h", "interlat", "skip", "reverse", "tiny")
+KINDS = ("single", "projector", "c2c", "lsc", "mot_h", "interlat")  # at most one: what replaces the mixture
+DIRECT_ONLY = ("c2c", "lsc", "interlat")
 
 
 def get_config(arg=None):
@@ -42,7 +48,8 @@ def get_config(arg=None):
     if unknown or ("replay" in parts and direct) or len(kinds) > 1 or ("mot_h" in parts and direct):
         raise MotJaxError(
             f"Bad config argument {arg!r}; pass a comma list of {', '.join(CHOICES)} with at most one of "
-            "replay/direct and one of single/projector/c2c/lsc/mot_h (c2c and lsc run direct, mot_h replay)."
+            "replay/direct and one of single/projector/c2c/lsc/mot_h/interlat (c2c, lsc and interlat run direct, "
+            "mot_h replay)."
         )
     c = base()
     c.source, c.target = "smollm2-135m", "gemma3-270m"
@@ -67,6 +74,9 @@ def get_config(arg=None):
         c.loss.correction_weight = 0.0
     if "mot_h" in parts:  # the reference's MoT-h: MoT's mixture and loss, its window's inputs replaced, dense
         c.translator.update(kind="mot_h", sparse_attention=False)
+    if "interlat" in parts:  # the reference's Interlat: its adapter's 8 heads; its loss has no K/V MSE
+        c.translator.update(kind="interlat", heads=8)
+        c.loss.correction_weight = 0.0
     if "skip" in parts:
         c.translator.update(linear_skip=True, rotary=True, output_activation="none")
     c.data.total_tokens, c.data.prefix_tokens, c.data.source_length = 256, 192, 256

@@ -155,9 +155,11 @@ class Translated(Method):
         spec = self.translator.spec
         layers = len(set(spec.source_layers)) * spec.reads_source  # the source layers the translator reads
         tokens = np.asarray(source_mask).sum(1)
+        itemsize = jnp.dtype(models.source.param_dtype).itemsize
         if spec.layer_inputs:  # kind='mot_h': one residual-stream vector per token and layer, not K and V
-            s = models.source.config
-            return tokens * layers * s.hidden_size * jnp.dtype(models.source.param_dtype).itemsize
+            return tokens * layers * models.source.config.hidden_size * itemsize
+        if spec.last_hidden:  # kind='interlat': one last-layer hidden state per token
+            return tokens * models.source.embedding_width * itemsize
         return np.array([kv_bytes(models.source, int(n), layers) for n in tokens])
 
     def build(self, models, contexts, capacity, watch):
@@ -232,6 +234,8 @@ def method_name(config) -> str:
         name = "LSC"
     elif t.get("kind") == "mot_h":  # its target reads the context itself: its TTFT (translation) holds that forward
         name = "MoT-h" if t.num_experts > 1 else "single translator (MoT-h)"
+    elif t.get("kind") == "interlat":  # its TTFT (translation) holds the target's forward over the latents
+        name = "Interlat"
     elif t.get("kind") == "linear":
         name = f"linear translator ({t.mode})"
     else:

@@ -185,7 +185,8 @@ class LayerCache:
 
 
 class CausalLM(nnx.Module):
-    """Base of every family. A family defines `embed`, `layers` (a stacked block), `final_norm` and `unembed`.
+    """Base of every family. A family defines `token_embeddings` (and `input_embeddings` where it adds position
+    embeddings), `layers` (a stacked block), `final_norm` and `unembed`.
 
     Forward: `logits, cache = model(input_ids, attention_mask=None, positions=None, cache=None)`.
     - input_ids [B, T]; attention_mask [B, T] (1 = token, 0 = padding, left or right).
@@ -225,6 +226,7 @@ class CausalLM(nnx.Module):
         stop=None,
         layer_inputs=False,
         view=LayerCache,
+        embeddings=None,
     ):
         """`hidden_states` with an optional `Injection`, and with `topk > 0` also each layer's top-k attended keys
         (head-averaged attention weights) as [L, B, T, topk] slot indices (else None). With `stop` only layers
@@ -232,7 +234,9 @@ class CausalLM(nnx.Module):
         residual stream before layer `stop`, not final-normed. `layer_inputs=True` returns a fourth value: every
         layer's input residual stream [L, B, T, D]. `view` is the class of each layer's view of the cache (a
         `LayerCache`); what it leaves in `topk_indices` is stacked over layers and returned (a subclass may record
-        another per-layer statistic there: KVComm's calibration records attention mass)."""
+        another per-layer statistic there: KVComm's calibration records attention mass). `embeddings` [B, T, E] replace
+        the token embeddings of `input_ids` (transformers' `inputs_embeds`, `token_embeddings`: Interlat's latents);
+        `input_ids` then give only the shape."""
         batch, length = input_ids.shape
         mask = jnp.ones((batch, length), bool) if attention_mask is None else attention_mask.astype(bool)
         if cache is None:
@@ -240,7 +244,7 @@ class CausalLM(nnx.Module):
         if positions is None:
             positions = cache.next_positions()[:, None] + positions_from_mask(mask)
         cache = cache.append_slots(positions, mask)
-        x = self.embed(input_ids, positions)
+        x = self.embed(input_ids, positions) if embeddings is None else self.input_embeddings(embeddings, positions)
 
         graphdef, stacked = nnx.split(self.layers)
         per_layer = None
@@ -268,6 +272,20 @@ class CausalLM(nnx.Module):
         cache = cache.replace(k=k, v=v, index=cache.index + length)
         out = (x if stop is not None else self.final_norm(x)), cache, topk_indices
         return (*out, inputs) if layer_inputs else out
+
+    def embed(self, ids, positions):
+        """The first layer's input residual stream [B, T, D] of `ids` at `positions`."""
+        return self.input_embeddings(self.token_embeddings(ids), positions)
+
+    def input_embeddings(self, x, positions):
+        """Token embeddings x [B, T, E] (transformers' `inputs_embeds`: after Gemma's scale) -> the first layer's
+        input: GPT-2 and OPT add position embeddings here (OPT-350m projects first); the others take x as it is."""
+        return x
+
+    @property
+    def embedding_width(self) -> int:
+        """E, the width of `token_embeddings` and of the final-normed hidden states (OPT-350m's 512, else D)."""
+        return self.config.word_embed_proj_dim or self.config.hidden_size
 
     def final_norm(self, x):
         return x

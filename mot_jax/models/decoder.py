@@ -161,7 +161,7 @@ class RotaryLM(CausalLM):
             None if tied else Linear(D, cfg.vocab_size, ("embed", "vocab"), rngs=rngs, dtype=dtype, bias=False)
         )
 
-    def embed(self, ids, positions):
+    def token_embeddings(self, ids):
         x = self.embed_tokens(ids)
         return x if self.config.embed_scale == 1.0 else x * jnp.asarray(self.config.embed_scale, x.dtype)
 

@@ -88,8 +88,11 @@ class GPT2(CausalLM):
     def layers(self):
         return self.h
 
-    def embed(self, ids, positions):
-        return self.wte(ids) + self.wpe(positions)
+    def token_embeddings(self, ids):
+        return self.wte(ids)
+
+    def input_embeddings(self, x, positions):
+        return x + self.wpe(positions)
 
     def final_norm(self, x):
         return self.ln_f(x)

@@ -91,8 +91,10 @@ class OPT(CausalLM):
         self.layers = Block(cfg, rngs=rngs, dtype=dtype)
         self.final_layer_norm = LayerNorm(D, cfg.norm_eps, rngs=rngs, dtype=dtype) if cfg.final_norm else None
 
-    def embed(self, ids, positions):
-        x = self.embed_tokens(ids)
+    def token_embeddings(self, ids):
+        return self.embed_tokens(ids)
+
+    def input_embeddings(self, x, positions):
         if self.project_in is not None:
             x = self.project_in(x)
         return x + self.embed_positions(positions + POSITION_OFFSET)

@@ -50,7 +50,10 @@ def base() -> ml_collections.ConfigDict:
     # mode="direct", and the reference trains it with loss.correction_weight=0) | lsc (the LSC baseline: every source
     # layer's K/V through a shared latent of shared_slots x shared_dim per token into every target layer's; the same
     # needs and loss) | mot_h (MoT-h: the mixture translates the source's window layers' input residual streams into
-    # the target's, which replace its own in a dense forward over the context; needs sparse_attention=False)
+    # the target's, which replace its own in a dense forward over the context; needs sparse_attention=False) |
+    # interlat (Interlat: the source's last hidden states through an adapter of `heads` heads (the reference's 8) are
+    # the target's input embeddings, its forward over them its cache; needs mode="direct", and the reference adds its
+    # plan-similarity and random-contrast terms, always on, with loss.correction_weight=0)
     c.translator.kind = "mot"
     c.translator.dim = 1024
     c.translator.heads = 16

@@ -37,6 +37,9 @@ the translator writes (those of the MSEs):
   1 - cosine: the output projection and the residual stream read the norm too, and values off by a factor keep the
   cosine at 1.
 
+kind='interlat' adds the reference's plan-similarity and random-contrast terms over the prompt's next-token
+distributions (`translate/interlat.py`), with the weights it sets each step from their values.
+
 Also reported, not in the loss: `unexplained_k` / `unexplained_v`, each layer's MSE over that layer's native variance in
 the batch (1 - R^2), averaged over layers: a fidelity that does not depend on the models' activation scales, above 1
 when the translation is further off than predicting every channel's mean would be.
@@ -54,6 +57,7 @@ from mot_jax.errors import MotJaxError
 from mot_jax.models.base import LayerCache
 from mot_jax.models.cache import KVCache
 from mot_jax.models.layers import GLOBAL_WINDOW, attention
+from mot_jax.translate import interlat
 from mot_jax.translate.translator import source_read, translate
 
 
@@ -141,11 +145,13 @@ def attention_error(reads: NativeReads, k, v, softcap=None):
     return error / jnp.maximum((jnp.square(want) * weight).sum((1, 2, 3)), 1e-12)
 
 
-def frozen_forwards(source, target, batch, topk: int, reads: bool = False, layer_inputs: bool = False):
+def frozen_forwards(source, target, batch, topk: int, reads=False, layer_inputs=False, last_hidden=False):
     """The source's cache (and attention top-k for sparse replay; `layer_inputs`, kind='mot_h': its layer inputs in
-    the cache layout, `source_read`) and the target's native cache of the context; with `reads=True` a fourth value,
-    the target's `NativeReads` of the prompt after that cache (the attention term's)."""
-    source_cache, source_topk = source_read(source, batch.source_ids, batch.source_mask, topk, layer_inputs)
+    the cache layout, `source_read`; `last_hidden`, kind='interlat': its last hidden states) and the target's native
+    cache of the context; with `reads=True` a fourth value, the target's `NativeReads` of the prompt after that cache
+    (the attention term's)."""
+    args = (batch.source_ids, batch.source_mask, topk, layer_inputs, last_hidden)
+    source_cache, source_topk = source_read(source, *args)
     _, native, _ = target.run_layers(batch.context, batch.context_mask, fresh=True)
     if not reads:
         return source_cache, source_topk, native
@@ -199,20 +205,26 @@ def context_correction(
     side = jax.lax.stop_gradient(side)
     spec = translator.spec
     context_length, prompt_length = batch.context.shape[1], batch.prompt.shape[1]
-    cache, aux = translate(
-        translator,
-        source,
-        target,
-        source_cache,
-        batch.alignment,
-        batch.context,
-        batch.context_mask,
-        source_topk,
-        capacity=context_length + prompt_length,
-        receiver=native,  # kind='c2c' fuses into it; `noise`: its training gate (None: the hard gate)
-        noise=noise,
-        side=side,
-    )
+    capacity = context_length + prompt_length
+    keys = (None, None) if noise is None or not spec.last_hidden else jax.random.split(noise)  # interlat's dropout
+
+    def translated(source_cache, alignment, noise):
+        return translate(
+            translator,
+            source,
+            target,
+            source_cache,
+            alignment,
+            batch.context,
+            batch.context_mask,
+            source_topk,
+            capacity=capacity,
+            receiver=native,  # kind='c2c' fuses into it; `noise`: its training gate (None: the hard gate)
+            noise=noise,
+            side=side,
+        )
+
+    cache, aux = translated(source_cache, batch.alignment, keys[0] if spec.last_hidden else noise)
     first = spec.native_bottom if spec.mode == "direct" else min(spec.target_layers)  # the layers it writes
     context = lambda kv: kv[first:, :, :, :context_length]
     errors = {}
@@ -229,14 +241,21 @@ def context_correction(
     metrics = dict(**errors, load_balance=load_balance, z_loss=z_loss)
     if gates is not None:
         metrics["gate"] = gates.mean()
-    if weights.reads_prompt or prompt:  # else a KV-space objective: no forward over the prompt
+    if weights.reads_prompt or prompt or spec.last_hidden:  # else a KV-space objective: no forward over the prompt
         logits, _ = target(batch.prompt, cache=cache)
         metrics["ce"] = token_cross_entropy(logits, batch.labels, batch.label_mask)
         loss = loss + weights.ce * metrics["ce"]
-    if weights.distill:  # one more target forward over the prompt, after the native cache (no gradient reaches it)
-        teacher, _ = target(batch.prompt, cache=native.with_capacity(context_length + prompt_length))
-        metrics["kl"] = distillation_kl(logits, jax.lax.stop_gradient(teacher), batch.label_mask)
+    if weights.distill or spec.last_hidden:  # one more target forward over the prompt, after the native cache
+        teacher, _ = target(batch.prompt, cache=native.with_capacity(capacity))
+        teacher = jax.lax.stop_gradient(teacher)  # no gradient reaches it
+    if weights.distill:
+        metrics["kl"] = distillation_kl(logits, teacher, batch.label_mask)
         loss = loss + weights.distill * metrics["kl"]
+    if spec.last_hidden:  # kind='interlat': the reference's plan-similarity and random-contrast terms
+        other, _ = translated(*interlat.mismatched(source_cache, batch.alignment), keys[1])
+        random_logits, _ = target(batch.prompt, cache=jax.lax.stop_gradient(other))
+        extra, terms = interlat.auxiliary_loss(logits, teacher, random_logits, batch.label_mask)
+        loss, metrics = loss + extra, metrics | terms
     if weights.attention:
         if not reads:
             raise MotJaxError("The attention-output loss needs the native queries: call frozen_forwards(reads=True).")

@@ -118,6 +118,7 @@ def translation(config, channel_map, pair: Pair, **overrides) -> tuple[Translati
         fuse=t.kind == "c2c",
         every_source_layer=t.kind == "lsc",
         residual=t.kind == "mot_h",
+        latents=t.kind == "interlat",
         sparse_attention=t.sparse_attention,
         k_attn=t.k_attn,
         dense_bottom=t.dense_bottom,

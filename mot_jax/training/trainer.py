@@ -51,6 +51,7 @@ class Trainer:
         self.topk, self.reads_source = spec.attention_topk, spec.reads_source
         self.kind, self.total_steps = tcfg.kind, total_steps
         self.layer_inputs = spec.layer_inputs  # kind='mot_h': the source hands over its layer inputs, not K/V
+        self.last_hidden = spec.last_hidden  # kind='interlat': its last hidden states
         self.compute_dtype = resolve_dtype(config.dtype)
         self.weights = objective.LossWeights.from_config(config.loss)
         replicated = NamedSharding(mesh, PartitionSpec())
@@ -75,7 +76,8 @@ class Trainer:
         if batch.features is not None:  # the feature cache: the frozen forwards' outputs, read from disk
             frozen, side = batch.features.unpack()
         else:
-            frozen = objective.frozen_forwards(source, target, batch, self.topk, reads, self.layer_inputs)
+            hands = (self.layer_inputs, self.last_hidden)
+            frozen = objective.frozen_forwards(source, target, batch, self.topk, reads, *hands)
 
         def loss_fn(p):
             translator, _, _ = self._models(p, llm_states)
@@ -85,11 +87,14 @@ class Trainer:
         return loss_fn
 
     def _gate_noise(self, state, micro_batches: int):
-        """kind='c2c': each micro-batch's training gate (the temperature at this update, its own noise); else None."""
-        if self.kind != "c2c":
+        """kind='c2c': each micro-batch's training gate (the temperature at this update, its own noise);
+        kind='interlat': each micro-batch's dropout key; else None."""
+        if self.kind not in ("c2c", "interlat"):
             return None
         step = optax.tree_utils.tree_get_all_with_path(state["opt_state"], "count")[0][1]  # the updates done
         key = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), step)
+        if self.kind == "interlat":
+            return jax.random.split(key, micro_batches)
         temperature = jnp.full(micro_batches, c2c.gate_temperature(step, self.total_steps))
         return c2c.GateNoise(temperature, jax.random.split(key, micro_batches))
 

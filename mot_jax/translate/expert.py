@@ -33,7 +33,8 @@ class TranslatorConfig:
     target_width: int  # target kv_heads * head_dim (kind='mot_h': both widths are the models' hidden sizes)
     window: int  # W: window layers translated together
     kind: str = "mot"  # "mot" (the mixture) | "projector" (C2C-Project) | "linear" (linear skip alone) | "c2c" (C2C)
-    # | "lsc" (LSC: `lsc.py`) | "mot_h" (MoT-h: the mixture over residual streams, `mot_h.py`)
+    # | "lsc" (LSC: `lsc.py`) | "mot_h" (MoT-h: the mixture over residual streams, `mot_h.py`) | "interlat" (Interlat's
+    # adapter: `interlat.py`; reads the widths and `heads`)
     dim: int = 1024  # projector: the hidden width is max(dim, target_width)
     heads: int = 16
     depth: int = 2  # R stages of W un-shared cross-attention blocks

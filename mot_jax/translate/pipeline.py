@@ -20,10 +20,11 @@ from mot_jax.translate import align as alignment_lib
 from mot_jax.translate.translator import KVTranslator, TranslationSpec, source_read, translate
 
 
-@jit(static_argnames=("topk", "layer_inputs"))
-def source_prefill(source, source_ids, source_mask, *, topk=0, layer_inputs=False):
-    """`source_read`, jitted: (the source's cache, or its layer inputs in the cache layout; its attention top-k)."""
-    return source_read(source, source_ids, source_mask, topk, layer_inputs)
+@jit(static_argnames=("topk", "layer_inputs", "last_hidden"))
+def source_prefill(source, source_ids, source_mask, *, topk=0, layer_inputs=False, last_hidden=False):
+    """`source_read`, jitted: (the source's cache, or its layer inputs or last hidden states in the cache layout; its
+    attention top-k)."""
+    return source_read(source, source_ids, source_mask, topk, layer_inputs, last_hidden)
 
 
 @jit(static_argnames=("capacity",))
@@ -49,7 +50,9 @@ class SourceRead:
     ids: np.ndarray  # [B, S] the source's tokens of the contexts' text, right-padded
     mask: np.ndarray  # [B, S]
     alignment: alignment_lib.Alignment  # the source tokens onto the target grid
-    cache: KVCache | None = None  # the source's prefill of `ids` (kind='mot_h': its layer inputs); None: no source
+    # the source's prefill of `ids` (kind='mot_h': its layer inputs; kind='interlat': its last hidden states); None:
+    # no source
+    cache: KVCache | None = None
     topk: jax.Array | None = None  # its attention's top-k key indices [Ls, B, S, k] for sparse replay, else None
 
 
@@ -74,9 +77,8 @@ def read_source(
     if bucket:
         length = -(-source_ids.shape[1] // bucket) * bucket
         source_ids, source_mask, alignment = alignment_lib.pad_source(source_ids, source_mask, alignment, length)
-    cache, topk = source_prefill(
-        source, source_ids, source_mask, topk=spec.attention_topk, layer_inputs=spec.layer_inputs
-    )
+    flags = dict(topk=spec.attention_topk, layer_inputs=spec.layer_inputs, last_hidden=spec.last_hidden)
+    cache, topk = source_prefill(source, source_ids, source_mask, **flags)
     return SourceRead(source_ids, source_mask, alignment, cache, topk)
 
 

@@ -28,7 +28,9 @@ measure what they are worth).
 per window layer beside each, set by least squares before training: `linear_skip.py`; or C2C's K and V fusers,
 `c2c.py`, which add gated residuals to the target's own prefill: `fuse_receiver`; or LSC's, `lsc.py`, every source
 layer through a shared latent into every target layer; or MoT-h's one mixture, `mot_h.py`, from the source's window
-layers' input residual streams to the target's, which replace its own in its forward: `replace_inputs`);
+layers' input residual streams to the target's, which replace its own in its forward: `replace_inputs`; or
+Interlat's adapter, `interlat.py`, from the source's last hidden states to the target's input embeddings, whose
+forward builds the cache: `embed_latents`);
 `translate` is the jittable function that training and evaluation share. The pipeline from text to a target cache
 (`read_source`, `CacheTranslator`) is `pipeline.py`.
 """
@@ -47,14 +49,15 @@ from mot_jax.models import decoder
 from mot_jax.models.base import CausalLM, Injection, first_valid_index, positions_from_mask
 from mot_jax.models.layers import apply_rope, param
 from mot_jax.translate import align as alignment_lib
-from mot_jax.translate import c2c, channels, lsc, mot_h
+from mot_jax.translate import c2c, channels, interlat, lsc, mot_h
 from mot_jax.translate.expert import TranslatorConfig
 from mot_jax.translate.mixture import MixtureOfTranslators
 from mot_jax.translate.projector import Projector
 
 MODES = ("replay", "direct")
 INPUTS = ("source", "embeddings", "hidden")  # what the translator may read per token (TranslationSpec.inputs)
-OUTPUTS = ("kv", "hidden")  # what it writes per token and layer (TranslationSpec.outputs; kind='mot_h': "residual")
+# what it writes per token and layer (TranslationSpec.outputs; kind='mot_h': "residual", kind='interlat': "embeddings")
+OUTPUTS = ("kv", "hidden")
 
 
 class NoMixture(nnx.Module):
@@ -76,6 +79,7 @@ KINDS = {
     "c2c": c2c.ResidualCacheFuser,
     "lsc": lsc.LatentTranslator,
     "mot_h": MixtureOfTranslators,
+    "interlat": interlat.Adapter,
 }
 alignment_lib.register_pytree()  # alignments enter jitted code here
 
@@ -95,7 +99,8 @@ class TranslationSpec:
     native_bottom: int = 0  # direct: the target's own layers below this run over the context (their K/V native)
     inputs: tuple = ("source",)  # per token, a subset of INPUTS
     # K/V (paper), or layer inputs that the target's own K/V projections turn into K/V (ours, "hidden"), or
-    # "residual" (kind='mot_h'): the window layers' input residual streams, replacing the target's own in its forward
+    # "residual" (kind='mot_h'): the window layers' input residual streams, replacing the target's own in its forward,
+    # or "embeddings" (kind='interlat'): the target's input embeddings, from the source's last hidden states
     outputs: str = "kv"
 
     @property
@@ -106,6 +111,11 @@ class TranslationSpec:
     def layer_inputs(self) -> bool:
         """kind='mot_h': the source hands over its layers' input residual streams (`source_read`), not its K/V."""
         return self.outputs == "residual"
+
+    @property
+    def last_hidden(self) -> bool:
+        """kind='interlat': the source hands over its last layer's (final-normed) hidden states (`source_read`)."""
+        return self.outputs == "embeddings"
 
     @property
     def attention_topk(self) -> int:
@@ -141,12 +151,15 @@ class TranslationSpec:
         fuse=False,
         every_source_layer=False,
         residual=False,
+        latents=False,
         **kwargs,
     ):
         """`fuse` (kind='c2c'): a direct window of C2C's terminal alignment, the top min(Ls, Lt) layers of each side
         paired from the top, in place of every target layer. `every_source_layer` (kind='lsc'): a direct window that
         reads all source layers in order (not the full-depth map's one per target layer) and writes every target
-        layer. `residual` (kind='mot_h'): outputs="residual", the window layers' input residual streams."""
+        layer. `residual` (kind='mot_h'): outputs="residual", the window layers' input residual streams. `latents`
+        (kind='interlat'): outputs="embeddings", a direct window that reads the source's last layer and whose forward
+        writes every target layer."""
         if mode not in MODES:
             raise MotJaxError(f"Unknown translation mode {mode!r}; use one of {', '.join(MODES)}.")
         if outputs not in OUTPUTS:
@@ -158,6 +171,13 @@ class TranslationSpec:
                     "leave outputs at 'kv' (its default)."
                 )
             outputs = "residual"
+        if latents:
+            if outputs != "kv":
+                raise MotJaxError(
+                    f"kind='interlat' writes the target's input embeddings, not outputs={outputs!r}; leave outputs at "
+                    "'kv' (its default)."
+                )
+            outputs = "embeddings"
         inputs = tuple(inputs)
         if not inputs or any(i not in INPUTS for i in inputs) or len(set(inputs)) < len(inputs):
             raise MotJaxError(f"Bad translator inputs {inputs!r}; pass a comma list of {', '.join(INPUTS)}.")
@@ -183,6 +203,8 @@ class TranslationSpec:
                 source, target = tuple(top.source), tuple(top.target)
             if every_source_layer:
                 source = tuple(range(num_source_layers))
+            if latents:  # one source read, its last layer's output
+                source = (num_source_layers - 1,)
         else:
             channel_map.validate(num_source_layers, num_target_layers)
             source, target = tuple(channel_map.source), tuple(channel_map.target)
@@ -194,9 +216,12 @@ def mixture_config(spec: TranslationSpec, source: CausalLM, target: CausalLM, **
     s, t = source.config, target.config
     target_features = sum(i != "source" for i in spec.inputs) * t.hidden_size
     source_width = s.hidden_size if spec.layer_inputs else s.num_kv_heads * s.head_dim
+    target_width = t.hidden_size if spec.outputs in ("hidden", "residual") else t.num_kv_heads * t.head_dim
+    if spec.last_hidden:  # kind='interlat': hidden states in, input embeddings out
+        source_width, target_width = source.embedding_width, target.embedding_width
     return TranslatorConfig(
         source_width=source_width * spec.reads_source + target_features,
-        target_width=t.hidden_size if spec.outputs in ("hidden", "residual") else t.num_kv_heads * t.head_dim,
+        target_width=target_width,
         window=len(spec.target_layers),
         **kwargs | dict(source_window=len(spec.source_layers) if kwargs.get("kind") == "lsc" else 0),
     )
@@ -219,13 +244,20 @@ class KVTranslator(nnx.Module):
     """Separate mixtures for K and V, as the paper (or, `cfg.kind="projector"`, the C2C-Project baseline's MLPs,
     `"c2c"`, C2C's fusers: `fuse`, or `"lsc"`, LSC's latent translators, all source layers to all target layers), and
     with `cfg.linear_skip` a linear map beside each whose output is added to theirs; `"mot_h"`: one mixture, `hidden`,
-    of residual streams (`replace_inputs`)."""
+    of residual streams (`replace_inputs`); `"interlat"`: one adapter, `adapter`, of hidden states into the target's
+    input embeddings (`embed_latents`)."""
 
     def __init__(self, spec: TranslationSpec, cfg: TranslatorConfig, *, rngs, dtype=jnp.float32):
         if cfg.kind == "mot_h":  # first: its rotary refusal says why rotary means nothing for it
             mot_h.check_spec(spec, cfg)
         elif spec.layer_inputs:
             raise MotJaxError("outputs='residual' (residual streams in place of K/V) is MoT-h's; set kind='mot_h'.")
+        if cfg.kind == "interlat":
+            interlat.check_spec(spec, cfg)
+        elif spec.last_hidden:
+            raise MotJaxError(
+                "outputs='embeddings' (the target's input embeddings) is Interlat's; set kind='interlat'."
+            )
         if spec.rotary and cfg.output_activation != "none":
             raise MotJaxError("rotary=True needs output_activation='none' (rotated keys take any sign).")
         if cfg.kind not in KINDS:
@@ -241,6 +273,9 @@ class KVTranslator(nnx.Module):
             return
         if cfg.kind == "mot_h":  # one mixture of the residual stream, not one per K and V
             self.hidden = KINDS[cfg.kind](cfg, rngs=rngs, dtype=dtype)
+            return
+        if cfg.kind == "interlat":  # one adapter of the last hidden states
+            self.adapter = KINDS[cfg.kind](cfg, rngs=rngs, dtype=dtype)
             return
         self.key = KINDS[cfg.kind](cfg, rngs=rngs, dtype=dtype)
         self.value = KINDS[cfg.kind](cfg, rngs=rngs, dtype=dtype)
@@ -265,12 +300,16 @@ class KVTranslator(nnx.Module):
         return k_out, v_out, {"key": {}, "value": {}, "gate": jnp.stack([gate_k, gate_v])}
 
 
-def source_read(source: CausalLM, source_ids, source_mask, topk=0, layer_inputs=False):
+def source_read(source: CausalLM, source_ids, source_mask, topk=0, layer_inputs=False, last_hidden=False):
     """The source's prefill of its context as a translator reads it: (its cache, its attention's top-k key indices
     [Ls, B, S, k] with `topk > 0`, else None). `layer_inputs` (kind='mot_h', `spec.layer_inputs`): the cache's K holds
     every layer's input residual stream [Ls, B, S, D] as one head of width D, and V nothing (width 0), so that
-    batching, the alignment and `window_block` take the streams as they take K."""
-    _, cache, indices, *inputs = source.run_layers(source_ids, source_mask, topk=topk, layer_inputs=layer_inputs)
+    batching, the alignment and `window_block` take the streams as they take K. `last_hidden` (kind='interlat',
+    `spec.last_hidden`): so does the last layer's final-normed output [1, B, 1, S, E], one layer."""
+    hidden, cache, indices, *inputs = source.run_layers(source_ids, source_mask, topk=topk, layer_inputs=layer_inputs)
+    if last_hidden:
+        states = hidden[None, :, None].astype(cache.k.dtype)  # [1, B, 1, S, E]
+        cache = cache.replace(k=states, v=states[..., :0])
     if layer_inputs:
         streams = inputs[0][:, :, None].astype(cache.k.dtype)  # [Ls, B, 1, S, D]
         cache = cache.replace(k=streams, v=streams[..., :0])
@@ -455,6 +494,21 @@ def replace_inputs(translator, source, target, source_cache, alignment, target_i
     return cache, {"hidden": aux}
 
 
+def embed_latents(translator, source, target, source_cache, alignment, target_ids, mask, capacity, key=None):
+    """kind='interlat': the target's forward over the adapter's latents of the source's last hidden states
+    (`source_read(last_hidden=True)`) in place of its context's token embeddings, but at each row's first token,
+    which keeps the target's own; its cache (`capacity` slots) and no aux outputs. `key`: the training dropout's."""
+    batch, length = target_ids.shape
+    hidden = alignment_lib.resample(source_cache.k[0, :, 0], alignment.weights)  # [B, T, Es] on the target grid
+    own = target.token_embeddings(target_ids)
+    latents = translator.adapter(hidden, mask, key).astype(own.dtype)  # [B, T, Et]
+    is_first = (jnp.arange(length) == first_valid_index(mask)[:, None])[..., None]
+    cache = target.init_cache(batch, capacity)
+    embeddings = jnp.where(is_first, own, latents)
+    _, cache, _ = target.run_layers(target_ids, mask, cache=cache, fresh=True, embeddings=embeddings)
+    return cache, {}
+
+
 def translate(
     translator,
     source,
@@ -471,7 +525,8 @@ def translate(
 ):
     """Jittable core: the target cache (capacity slots, default T) for the target context, and the aux outputs.
     kind='c2c' only: `receiver`, the target's own prefill of the context when the caller has it (else it runs
-    here), and `noise`, the training gate's (`c2c.GateNoise`; None: the hard gate). Other kinds: `side`, the
+    here), and `noise`, the training gate's (`c2c.GateNoise`; None: the hard gate); kind='interlat': `noise`, the
+    adapter's training dropout key (None: no dropout). Other kinds: `side`, the
     context's `TargetSide` when the caller has it (else computed here)."""
     spec = translator.spec
     batch, length = target_ids.shape
@@ -482,6 +537,9 @@ def translate(
     if translator.cfg.kind == "mot_h":
         args = (target_ids, mask, capacity or length)
         return replace_inputs(translator, source, target, source_cache, alignment, *args)
+    if translator.cfg.kind == "interlat":  # `noise`: the training dropout's key
+        args = (target_ids, mask, capacity or length, noise)
+        return embed_latents(translator, source, target, source_cache, alignment, *args)
     side = side if side is not None else target_side(spec, target, target_ids, mask, capacity or length)
     cache = target.init_cache(batch, capacity or length)
     if spec.mode == "direct":  # the context's slots, with the native bottom layers' K/V
