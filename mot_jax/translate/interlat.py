@@ -9,7 +9,7 @@ prosopher/MoT at a99e3669 and 889a9704):
   aligned onto the target's tokens as K/V are (`source_read(last_hidden=True)` carries them in the cache layout);
 - the adapter, per row x [B, T, Es] -> [B, T, Et] (E: `CausalLM.embedding_width`):
 
-      x = Linear(x)                                  only when Es != Et (torch's default init)
+      x = Linear(x)                                  only when Es != Et (torch's default weight scale)
       n = LN(x)                                      eps 1e-6
       a = MHA(n, n, n)                               torch's MultiheadAttention, every token to every token (not
                                                      causal), dropout 0.1 on the attention weights in training;
@@ -19,7 +19,8 @@ prosopher/MoT at a99e3669 and 889a9704):
       y = clip((r + Linear(LN(GELU(Linear(r))))) * s_out, -10, 10)     s_out learnable, 0.1; LN eps 1e-5
 
   init: the first inner Linear N(0, 0.02), the second xavier with gain 1e-2, the attention's packed q/k/v xavier with
-  gain 1/sqrt(3) and its output xavier (as normals of the same variance), biases zero;
+  gain 1/sqrt(3) and its output xavier (as normals of the same variance), biases zero (the projector's too, where
+  torch draws them uniform);
 - the injection: y are the target's `inputs_embeds` (after Gemma's embedding scale, before GPT-2's and OPT's position
   embeddings) in one forward over the context, whose cache is what generation reads: the target never sees the
   context's tokens;
