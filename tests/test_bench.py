@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from mot_jax.bench import common, page, train
+from mot_jax.bench import common, page, train, ttft
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTIONS = (
@@ -18,7 +18,7 @@ SECTIONS = (
     "### The offline pair",
     "## Mixture: sparse dispatch against the dense (reference) path",
     "## Alignment: vectorised against the per-token reference",
-    "## Time to first token: native, replay and direct",
+    "## Time to first token: every method",
     "## Training step: configs/smollm2_gemma3.py",
     "## Feature cache: K/V-space training steps, configs/smollm2_gemma3.py",
 )
@@ -55,7 +55,7 @@ def test_quick_page(tmp_path):
     assert re.search(r"^- Machine: .+, \d+ cores.*; jax backend \w+", text, re.M)
     assert re.search(r"^- Versions: jax [\d.]+, jaxlib [\d.]+, flax [\d.]+, torch .+, transformers ", text, re.M)
     found = tables(text)
-    assert len(found) == 8  # models: 2 prefill + 1 decode; mixture, align, ttft, train, features
+    assert len(found) == 9  # models: 2 prefill + 1 decode; mixture, align, ttft (2), train, features
     for rows in found:
         assert rows, "a table without data rows"
         for row in rows:
@@ -67,6 +67,11 @@ def test_quick_page(tmp_path):
     assert f"]({page.PLOT})" in text
     assert (tmp_path / page.PLOT).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(".partial")]  # no temporary file left
+    ttft_rows = [row[0] for row in found[5]]  # every method, side by side
+    assert ttft_rows[:3] == ["native", "text_relay", "MoT replay"] and "MoT replay, dense attention" in ttft_rows
+    for name in ("MoT direct", "linear translator (direct), B=2", "C2C-Project (replay)", "C2C", "LSC", "MoT-h"):
+        assert name in ttft_rows, name
+    assert sum(name.startswith("KVComm (") for name in ttft_rows) == 2  # Gemma-3 -> Gemma-3 and Llama -> Llama
     for heading in ("## Mixture", "## Time to first token"):  # the sections are printed as they finish
         assert heading in result.stdout
 
@@ -114,3 +119,41 @@ def test_matmul_flops_counts_scan_trips():
     w = jnp.ones((8, 8))
     jaxpr = jax.jit(f).trace(x, w).jaxpr.jaxpr
     assert train.matmul_flops(jaxpr) == 5 * 2 * 4 * 8 * 8
+
+
+def test_ttft_tables_ratios_to_each_targets_native():
+    def row(method, source, target, tokens, ttft_s, with_source_s):
+        stages = dict(source_prefill=with_source_s - ttft_s, answer=ttft_s)
+        return dict(
+            method=method,
+            source=source,
+            target=target,
+            context_tokens=tokens,
+            ttft_s=ttft_s,
+            ttft_with_source_s=with_source_s,
+            stages=stages,
+            handed_bytes=2**20,
+            target_kv_bytes=3 * 2**20,
+        )
+
+    rows = [
+        row("native", "s", "t", 128, 0.2, 0.2),
+        row("MoT direct", "s", "t", 128, 0.1, 0.3),
+        row("native", "s", "t", 2048, 4.0, 4.0),
+        row("MoT direct", "s", "t", 2048, 2.0, 5.0),
+        row("native", "s", "s", 128, 0.4, 0.4),
+        row("KVComm (2 of 4 layers)", "s", "s", 128, 0.1, 0.5),
+        row("native", "s", "s", 2048, 8.0, 8.0),
+        row("KVComm (2 of 4 layers)", "s", "s", 2048, 1.0, 9.0),
+    ]
+    (detail, _, every), ratios = ttft.ttft_tables(rows)
+    assert [r[:6] for r in detail.rows] == [
+        ("native", "t", "4000", "1.00", "4000", "1.00"),
+        ("MoT direct", "s -> t", "2000", "0.50", "5000", "1.25"),
+        ("native", "s", "8000", "1.00", "8000", "1.00"),
+        ("KVComm (2 of 4 layers)", "s -> s", "1000", "0.12", "9000", "1.12"),
+    ]
+    assert detail.rows[1][6:] == ("source_prefill 3000, answer 2000", "1.00", "3.00")
+    assert every.header[2:5] == ["128: TTFT (ms)", "128: / native", "128: incl. source / native"]
+    assert every.rows[1] == ["MoT direct", "s -> t", "100", "0.50", "1.50", "2000", "0.50", "1.25"]
+    assert ratios["KVComm (2 of 4 layers)", "s"] == [0.25, 0.125]

@@ -1,73 +1,188 @@
-"""The ttft part: time to first token of native prefill and of the translators (the evaluation's measurement)."""
+"""The ttft part: time to first token of every method the project has, side by side in one run (the evaluation's
+measurement, `mot_jax.evals.latency.latency`): native prefill, the text relay, untrained translators of every kind
+(or the trained translators of `plan.workdirs`) and KVComm on the two homogeneous pairs it allows."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from mot_jax.bench.common import EXPERIMENT, Plan, Section, Table, goal_note, load_experiment, log, ms, span
 
+# Every untrained translator the part times: (EXPERIMENT config argument, translator overrides). TTFT does not
+# depend on the weights, so the untrained translators of these configs time what their trained ones would.
+TRANSLATORS = (
+    ("replay", {}),  # MoT replay, sparse attention
+    ("replay", dict(sparse_attention=False)),  # MoT replay, dense attention
+    ("direct", {}),  # MoT direct
+    ("direct,skip", dict(kind="linear", native_bottom=8, inputs="source,embeddings,hidden")),  # the dial, B=8
+    ("single", {}),  # single translator
+    ("projector", {}),  # C2C-Project
+    ("c2c", {}),  # C2C: its translation includes the target's own prefill of the context
+    ("lsc", {}),  # LSC at the reference's sizes
+    ("mot_h", {}),  # MoT-h: its translation includes the target's dense forward over the context
+    # interlat (a translator kind being added) goes here once configs/smollm2_gemma3.py has it: ("interlat", {})
+)
 
-def ttft_methods(plan: Plan):
-    """(model pair, [Native, translated methods], what the translators are): untrained translators of the
-    EXPERIMENT config (replay, direct), or the trained translators of `plan.workdirs`."""
-    import ml_collections
+
+@dataclasses.dataclass
+class Group:
+    """Methods timed on one model pair (one `latency` call); their ratios are to the native prefill of `target`."""
+
+    models: object
+    names: tuple  # (source, target) model names
+    methods: list
+
+
+def untrained(plan: Plan, pair=None) -> tuple:
+    """(model pair, [(Translated, what it is)], (source, target) names): the untrained TRANSLATORS."""
+    import jax
     from flax import nnx
 
-    from mot_jax.evals.methods import Native, Translated
+    from mot_jax.evals.methods import Translated, method_name
+    from mot_jax.evals.run import attention_name
     from mot_jax.training import setup
     from mot_jax.training.channel_search import resolve_channels
     from mot_jax.translate.translator import KVTranslator
 
-    if plan.workdirs:
-        from mot_jax.evals.run import trained_methods
-
-        translated, config = trained_methods(plan.workdirs, "last")
-        pair = setup.load_pair(
-            ml_collections.ConfigDict(dict(source=config.source, target=config.target, dtype=config.dtype))
-        )
-        what = f"{config.source} -> {config.target}, trained translators ("
-        what += ", ".join(f"`{m.workdir}` step {m.step}" for m in translated) + ")"
-        return pair, [Native(), *translated], what
-    pair, methods = None, [Native()]
-    for mode in ("replay", "direct"):
-        config = load_experiment(plan.config_arg + mode)
+    methods = []
+    for arg, overrides in TRANSLATORS:
+        if plan.quick and "native_bottom" in overrides:  # the tiny target has 4 layers
+            overrides = dict(overrides, native_bottom=2)
+        config = load_experiment(plan.config_arg + arg)
+        config.translator.update(overrides)
         pair = pair or setup.load_pair(config)
         channel_map = resolve_channels(config, pair)  # terminal: no search, no data
         spec, tcfg = setup.translation(config, channel_map, pair)
         translator = KVTranslator(spec, tcfg, rngs=nnx.Rngs(config.seed))
-        methods.append(Translated(mode, translator, "untrained", 0))
-    what = (
-        f"{config.source} -> {config.target}, untrained translators of `configs/{EXPERIMENT}:{plan.config_arg}replay`"
-    )
-    return pair, methods, f"{what} and `:{plan.config_arg}direct` (timing does not depend on the weights)"
+        name = method_name(config)
+        if "sparse_attention" in overrides:
+            name = f"{name}, {attention_name(spec)}"
+        params = sum(x.size for x in jax.tree.leaves(nnx.state(translator, nnx.Param)))
+        setting = "".join(f", {k}={v}" for k, v in overrides.items())
+        what = (
+            f"{name}: `:{arg}`{setting}; {len(spec.target_layers)} of the target's {pair.target.config.num_layers} "
+            f"layers, {params / 1e6:.3g}M parameters"
+        )
+        methods.append((Translated(name, translator, "untrained", 0), what))
+    return pair, methods, (config.source, config.target)
 
 
-def describe(method, target) -> str:
-    spec, cfg = method.translator.spec, method.translator.cfg
-    name = method.name if spec.mode in method.name else f"{method.name} ({spec.mode})"
-    text = (
-        f"{name}: {len(spec.target_layers)} of the target's {target.config.num_layers} "
-        f"layers, translator dim {cfg.dim}, {cfg.num_experts} experts (k = {cfg.top_k})"
-    )
-    if spec.attention_topk:
-        text += f", sparse top-{spec.attention_topk} attention from the source's attention"
-    return text + ("" if cfg.fused_output else ", one output projection per layer")
+def groups(plan: Plan) -> tuple[list[Group], str]:
+    """The model pairs and their methods, and a sentence on what the translators are."""
+    from mot_jax.evals.config import defaults
+    from mot_jax.evals.kvcomm import KVComm
+    from mot_jax.evals.methods import Native, TextRelay
+    from mot_jax.training.setup import Pair
+
+    if plan.workdirs:
+        import ml_collections
+
+        from mot_jax.evals.run import trained_methods
+        from mot_jax.training import setup
+
+        translated, config = trained_methods(plan.workdirs, "last")
+        names = (config.source, config.target)
+        models = setup.load_pair(ml_collections.ConfigDict(dict(source=names[0], target=names[1], dtype=config.dtype)))
+        what = "trained translators (" + ", ".join(f"`{m.workdir}` step {m.step}" for m in translated) + ")"
+    else:
+        models, described, names = untrained(plan)
+        translated = [m for m, _ in described]
+        what = (
+            f"untrained translators of `configs/{EXPERIMENT}` (timing does not depend on the weights; "
+            + "; ".join(d for _, d in described)
+            + ")"
+        )
+    relay_tokens = defaults().relay_tokens
+    source, target = models.source, models.target
+    found = [Group(models, names, [Native(), TextRelay(relay_tokens), *translated])]
+    # KVComm hands the source's raw K/V to the target: one architecture and depth, so the homogeneous pairs only
+    sides = {names[1]: (target, models.target_tokenizer), names[0]: (source, models.source_tokenizer)}
+    for name, (model, tokenizer) in sides.items():  # one pair when source and target are the same model
+        homogeneous = Pair(model, model, tokenizer, tokenizer)
+        kvcomm = KVComm(names=(name, name))
+        kvcomm.prepare(homogeneous)  # calibrates its layers on the target's attention (the evaluation's default)
+        natives = [] if name == names[1] else [Native()]  # the target's native prefill is already timed
+        found.append(Group(homogeneous, (name, name), [*natives, kvcomm]))
+    return found, f"{names[0]} -> {names[1]}, {what}"
 
 
 def ttft_plot(lengths, series: dict, path):
     """TTFT (s) against context length, one line per series; dashed lines include the source's prefill."""
+    from matplotlib import colormaps
     from matplotlib.figure import Figure
     from matplotlib.ticker import NullLocator
 
-    fig = Figure(figsize=(6, 4))
+    fig = Figure(figsize=(7, 5))
     ax = fig.add_subplot()
-    for label, seconds in series.items():
-        ax.plot(lengths, seconds, marker="o", linestyle="--" if "+" in label else "-", label=label)
+    colors = colormaps["tab20"].colors
+    for i, (label, seconds) in enumerate(series.items()):
+        style = "--" if "+" in label else "-"
+        ax.plot(lengths, seconds, marker="o", linestyle=style, color=colors[i % len(colors)], label=label)
     ax.set(xscale="log", yscale="log", xlabel="context tokens", ylabel="time to first token (s)", title="Batch 1")
     ax.set_xticks(lengths, [str(n) for n in lengths])
     ax.xaxis.set_minor_locator(NullLocator())
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=6, ncol=2)
     fig.tight_layout()
     fig.savefig(path, format="png", dpi=120)
+
+
+def pair_name(row) -> str:
+    return row["target"] if row["method"] == "native" else f"{row['source']} -> {row['target']}"
+
+
+def ttft_tables(rows: list) -> tuple[list[Table], dict]:
+    """The part's tables from `latency` rows (each with its pair's `source` and `target` names added): every method
+    at the longest length with its stages, then every length; ratios to the native prefill of the row's target at
+    the same length. Returns the tables and {(method, target): [TTFT / native per length]} (ascending lengths)."""
+    native = {(r["target"], r["context_tokens"]): r["ttft_s"] for r in rows if r["method"] == "native"}
+    lengths = sorted({r["context_tokens"] for r in rows if r["method"] == "native"})
+    keys = list(dict.fromkeys((r["method"], r["source"], r["target"]) for r in rows))  # run order
+    at = {(r["method"], r["source"], r["target"], r["context_tokens"]): r for r in rows}
+    ratio = lambda r, key: r[key] / native[r["target"], r["context_tokens"]]
+    mib = lambda n: f"{n / 2**20:.2f}"
+    longest = lengths[-1]
+    detail = Table(
+        (
+            "method",
+            "source -> target",
+            "TTFT (ms)",
+            "/ native",
+            "TTFT incl. source prefill (ms)",
+            "/ native",
+            "stages (ms)",
+            "handed over (MiB)",
+            "target KV (MiB)",
+        ),
+        [
+            (
+                r["method"],
+                pair_name(r),
+                ms(r["ttft_s"]),
+                f"{ratio(r, 'ttft_s'):.2f}",
+                ms(r["ttft_with_source_s"]),
+                f"{ratio(r, 'ttft_with_source_s'):.2f}",
+                ", ".join(f"{stage} {ms(s)}" for stage, s in r["stages"].items()),
+                mib(r["handed_bytes"]),
+                mib(r["target_kv_bytes"]),
+            )
+            for r in (at[(*k, longest)] for k in keys)
+        ],
+        2,
+    )
+    header = ["method", "source -> target"]
+    for n in lengths:
+        header += [f"{n}: TTFT (ms)", f"{n}: / native", f"{n}: incl. source / native"]
+    every = []
+    for key in keys:
+        row = list(key[:1]) + [pair_name(at[(*key, lengths[0])])]
+        for n in lengths:
+            r = at[(*key, n)]
+            row += [ms(r["ttft_s"]), f"{ratio(r, 'ttft_s'):.2f}", f"{ratio(r, 'ttft_with_source_s'):.2f}"]
+        every.append(row)
+    ratios = {(k[0], k[2]): [ratio(at[(*k, n)], "ttft_s") for n in lengths] for k in keys}
+    every_length = "Every length (ratios to the native prefill of the row's target at that length):"
+    return [detail, every_length, Table(header, every, 2)], ratios
 
 
 def bench_ttft(plan: Plan) -> Section:
@@ -75,74 +190,67 @@ def bench_ttft(plan: Plan) -> Section:
     from mot_jax.evals.latency import latency, ttft_setup
     from mot_jax.evals.prompts import Settings
 
-    models, methods, what = ttft_methods(plan)
+    found, what = groups(plan)
     settings = Settings(batch_size=1)
-    ttft = ttft_setup(models, plan.lengths, settings.max_new_tokens, seed=0)
-    lengths = ttft.lengths
-    if not lengths:
-        raise MotJaxError(f"No ttft length fits the target model (at most {ttft.limit} tokens); lower --lengths.")
-    if len(lengths) < len(plan.lengths):
-        log(f"  ttft: lengths above {ttft.limit} do not fit the target model; skipped")
-    rows = latency(models, methods, ttft.example, lengths, settings, plan.runs, memory=False)
-    at = {(r["method"], i // len(methods)): r for i, r in enumerate(rows)}  # (method, length index) -> its row
-    native, translated = methods[0], methods[1:]
-    direct = next((m for m in translated if m.translator.spec.mode == "direct"), None)
-    reference = direct or translated[0]  # whose source prefill the table shows
-    mib = lambda n: f"{n / 2**20:.2f}"
-    header = (
-        "context tokens",
-        *(f"{m.name} TTFT (ms)" for m in methods),
-        "source prefill (ms)",
-        *(f"{m.name} / native" for m in translated),
-        "target KV (MiB)",
-        *(f"{m.name} handed over (MiB)" for m in translated),
-    )
-    indices = range(len(lengths))
-    ratios = {m.name: [at[m.name, i]["ttft_s"] / at[native.name, i]["ttft_s"] for i in indices] for m in translated}
-    table_rows = [
-        (
-            at[native.name, i]["context_tokens"],
-            *(ms(at[m.name, i]["ttft_s"]) for m in methods),
-            ms(at[reference.name, i]["ttft_with_source_s"] - at[reference.name, i]["ttft_s"]),
-            *(f"{ratios[m.name][i]:.2f}" for m in translated),
-            mib(at[native.name, i]["target_kv_bytes"]),
-            *(mib(at[m.name, i]["handed_bytes"]) for m in translated),
-        )
-        for i in indices
-    ]
-    tokens = [at[native.name, i]["context_tokens"] for i in indices]
-    series = {m.name: [at[m.name, i]["ttft_s"] for i in indices] for m in methods}
-    series[f"{reference.name} + source prefill"] = [at[reference.name, i]["ttft_with_source_s"] for i in indices]
+    rows = []
+    wanted = plan.lengths[-1:] if plan.quick else plan.lengths  # quick: one length, half the compiles
+    for group in found:
+        ttft = ttft_setup(group.models, wanted, settings.max_new_tokens, seed=0)
+        if not ttft.lengths:
+            raise MotJaxError(f"No ttft length fits the target model (at most {ttft.limit} tokens); lower --lengths.")
+        if len(ttft.lengths) < len(wanted):
+            log(f"  ttft: lengths above {ttft.limit} do not fit {group.names[1]}; skipped")
+        log(f"  ttft: {group.names[0]} -> {group.names[1]}: {', '.join(m.name for m in group.methods)}")
+        timed = latency(group.models, group.methods, ttft.example, ttft.lengths, settings, plan.runs, memory=False)
+        rows += [dict(r, source=group.names[0], target=group.names[1]) for r in timed]
+    body, ratios = ttft_tables(rows)
+    main = found[0]
+    target = main.names[1]
+    lengths = sorted({r["context_tokens"] for r in rows if r["target"] == target})
+    label = lambda r: r["method"] if r["target"] == target else f"{r['method']} ({pair_name(r)})"
+    series = {}
+    for r in sorted(rows, key=lambda r: r["context_tokens"]):  # stable: run order within a length
+        series.setdefault(label(r), []).append(r["ttft_s"])
+    translated = [m for m in main.methods if hasattr(m, "translator")]
+    direct = next((m for m in translated if m.translator.spec.mode == "direct"), None)  # MoT direct, untrained
+    if direct:
+        with_source = [r for r in rows if r["method"] == direct.name and r["target"] == target]
+        series[f"{direct.name} + source prefill"] = [r["ttft_with_source_s"] for r in with_source]
+    series = {k: v for k, v in series.items() if len(v) == len(lengths)}  # a pair whose target fits fewer lengths
     intro = (
-        f"{what} ({'; '.join(describe(m, models.target) for m in translated)}); batch 1, measured by "
-        "`mot_jax.evals.latency.latency` (the evaluation's TTFT, median of the runs after one that compiles): a "
-        "synthetic long-context passage cut to each length in target tokens, then the question suffix and the first "
-        "answer token. Native: the target prefills the context itself. Translated: the translation from an "
-        "existing source cache, then the suffix and the first token; source prefill is the source's own prefill of "
-        f"the context (with the alignment, from the {reference.name} row), to add when the source cache does not "
-        "exist yet. Target KV: the cache the target holds for the context; handed over: the source K/V the "
-        "translator reads."
+        f"{what}; KVComm (no translator: the source's raw K/V at the layers its calibration picks, "
+        "`mot_jax/evals/kvcomm.py`) on the homogeneous pairs it allows, with the native prefill of its own target. "
+        "Batch 1, every method in this one run, measured by `mot_jax.evals.latency.latency` (the evaluation's TTFT, "
+        "median of the runs after one that compiles): a synthetic long-context passage cut to each length in target "
+        "tokens, then the question suffix and the first answer token. Native: the target prefills the context "
+        "itself. Text relay: the source writes a summary of the context (up to "
+        f"{found[0].methods[1].tokens} tokens, greedy), which the target prefills; it has no source cache to reuse, "
+        "so both columns hold all of it. Translated and KVComm: TTFT is the work from an existing source cache (the "
+        "translation, which for replay, the dial's native bottom layers, C2C and MoT-h includes the target's own "
+        "pass over the context, or KVComm's handover), then the suffix and the first token; the second column adds "
+        "the source's own prefill of the context (with the alignment), for when the source cache does not exist "
+        "yet. Stages: the seconds of each step at the longest length (source_prefill, translation, handover, "
+        "prefill, source_summary, answer: the suffix and the first token). Handed over: what the target gets from "
+        "the source (K/V the translator reads, the summary's bytes, the passage's for native); target KV: the cache "
+        "the target holds for the context."
     )
     notes = []
-    if direct and 2048 in tokens:
-        ratio = ratios[direct.name][tokens.index(2048)]
+    if direct and 2048 in lengths:
+        ratio = ratios[direct.name, target][lengths.index(2048)]
         notes.append(goal_note("direct at most half of native prefill at 2,048 tokens", ratio, 0.5, False))
-        if ratio > 0.5:
-            notes.append(
-                "The translator's cross-attention over the whole context is O(T^2) in every block, like "
-                "the target's own attention; a causal, blocked translator attention or a local window is "
-                "the next step."
-            )
-    for m in translated:
-        if m.translator.spec.mode == "replay":
-            notes.append(
-                f"{m.name} / native: {span(ratios[m.name])}; replay re-reads the context through the target "
-                "after the translation, so it costs more than native prefill by design."
-            )
+    replays = [m.name for m in translated if m.translator.spec.mode == "replay" and not m.translator.spec.layer_inputs]
+    if replays:  # MoT-h (layer_inputs) runs one dense forward, not a replay after the translation
+        spans = ", ".join(f"{name} {span(ratios[name, target])}" for name in replays)
+        notes.append(
+            f"Replay / native: {spans}; replay re-reads the context through the target after the translation, so it "
+            "costs more than native prefill by design."
+        )
+    if not plan.workdirs and not any(arg == "interlat" for arg, _ in TRANSLATORS):
+        notes.append("Interlat (a translator kind being added) is not in this run: it had not landed.")
     return Section(
-        "Time to first token: native, replay and direct",
+        "Time to first token: every method",
         intro,
-        [Table(header, table_rows, 0)],
+        body,
         notes,
-        plot=lambda path: ttft_plot(tokens, series, path),
+        plot=lambda path: ttft_plot(lengths, series, path),
     )
