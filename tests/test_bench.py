@@ -69,7 +69,15 @@ def test_quick_page(tmp_path):
     assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(".partial")]  # no temporary file left
     ttft_rows = [row[0] for row in found[5]]  # every method, side by side
     assert ttft_rows[:3] == ["native", "text_relay", "MoT replay"] and "MoT replay, dense attention" in ttft_rows
-    for name in ("MoT direct", "linear translator (direct), B=2", "C2C-Project (replay)", "C2C", "LSC", "MoT-h"):
+    for name in (
+        "MoT direct",
+        "linear translator (direct), B=2",
+        "C2C-Project (replay)",
+        "C2C",
+        "LSC",
+        "MoT-h",
+        "Interlat",
+    ):
         assert name in ttft_rows, name
     assert sum(name.startswith("KVComm (") for name in ttft_rows) == 2  # Gemma-3 -> Gemma-3 and Llama -> Llama
     for heading in ("## Mixture", "## Time to first token"):  # the sections are printed as they finish

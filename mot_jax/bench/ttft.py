@@ -20,7 +20,7 @@ TRANSLATORS = (
     ("c2c", {}),  # C2C: its translation includes the target's own prefill of the context
     ("lsc", {}),  # LSC at the reference's sizes
     ("mot_h", {}),  # MoT-h: its translation includes the target's dense forward over the context
-    # interlat (a translator kind being added) goes here once configs/smollm2_gemma3.py has it: ("interlat", {})
+    ("interlat", {}),  # Interlat: its translation includes the target's forward over the context's latents
 )
 
 
@@ -245,8 +245,6 @@ def bench_ttft(plan: Plan) -> Section:
             f"Replay / native: {spans}; replay re-reads the context through the target after the translation, so it "
             "costs more than native prefill by design."
         )
-    if not plan.workdirs and not any(arg == "interlat" for arg, _ in TRANSLATORS):
-        notes.append("Interlat (a translator kind being added) is not in this run: it had not landed.")
     return Section(
         "Time to first token: every method",
         intro,
