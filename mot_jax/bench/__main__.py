@@ -12,13 +12,13 @@
   python -m mot_jax.bench features              # K/V-space training steps: frozen forwards live vs the feature cache
   python -m mot_jax.bench --quick --out=/tmp/bench/BENCHMARKS.md   # every part on tiny random models
 
-Time: the whole page takes about 20 minutes on a 2-core CPU with the default `--runs=3` (models ~7, train ~2, align
-~1, mixture ~0.5, features ~6 with its cache built, measured on a loaded machine), after the offline models are
-converted and the corpus prepared, and the ttft part far longer since it times every method (its 128 and 512 tokens
-alone took ~20 minutes at `--runs=1` on a loaded machine, 2,048 several times that). `--quick` runs every part on tiny random models with tiny sizes and
-one run per cell (it ignores the size flags) in 1-1.5 minutes, most of it compiling: it checks that the page builds,
-its numbers mean nothing; without --out it writes no page. Parts named on the command line are printed (each
-section's Markdown on stdout, progress on stderr); with --out they also make a page of their own. The page is
+Time: the whole page takes about 20 minutes on a 2-core CPU with the default `--runs=3` (models ~7, train ~2, align ~1,
+mixture ~0.5, features ~6 with its cache built, measured on a loaded machine), after the offline models are converted
+and the corpus prepared, and the ttft part far longer since it times every method (its 128 and 512 tokens alone took ~20
+minutes at `--runs=1` on a loaded machine, 2,048 several times that). `--quick` runs every part on tiny random models
+with tiny sizes and one run per cell (it ignores the size flags) in 1-1.5 minutes, most of it compiling: it checks that
+the page builds, its numbers mean nothing; without --out it writes no page. Parts named on the command line are printed
+(each section's Markdown on stdout, progress on stderr); with --out they also make a page of their own. The page is
 written (atomically, with its plot) only after every part has succeeded.
 
 Both sides of a comparison do the same work in one process, interleaved: same weights, dtype, batch and tokens;
