@@ -42,9 +42,7 @@ from mot_jax.bench.train import bench_train
 from mot_jax.bench.ttft import bench_ttft
 
 # --quick compiles with XLA's cheap CPU pipeline (it halves the compile time; the numbers mean nothing anyway)
-QUICK_XLA_FLAGS = (
-    "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true --xla_cpu_use_fusion_emitters=false"
-)
+QUICK_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 
 PARTS = {
     "models": bench_models,
