@@ -199,9 +199,9 @@ def latent_cache(model, ids, embeddings):
 def test_the_target_own_token_embeddings_give_the_native_cache_and_generation(name, tmp_path):
     """The injection is transformers' `inputs_embeds` (every layer's K/V within 1e-4 for random latents; Gemma's
     embedding scale and OPT's projection and position embeddings on the model's side). Source = target, the same
-    tokens and an identity adapter fed the target's own token embeddings: the cache and greedy continuation are
-    native's exactly. What the source hands over is its final-normed last hidden states; the untrained adapter's
-    cache is not native."""
+    tokens and an identity adapter fed the target's own token embeddings: the cache equals native's to float32
+    rounding and the greedy continuation exactly. What the source hands over is its final-normed last hidden
+    states; the untrained adapter's cache is not native."""
     model, hf, tokenizer = hf_model(name, tmp_path)
     latents = np.asarray(jax.random.normal(jax.random.key(1), (1, 12, model.embedding_width)), np.float32)
     ours = latent_cache(model, jnp.zeros((1, 12), jnp.int32), jnp.asarray(latents))
@@ -223,7 +223,8 @@ def test_the_target_own_token_embeddings_give_the_native_cache_and_generation(na
     handed, _ = source_prefill(model, ids, mask, last_hidden=True)  # [1, B, 1, T, E]
     final, _ = model.hidden_states(ids, mask)
     valid = np.asarray(mask, bool)
-    np.testing.assert_array_equal(np.asarray(handed.k[0, :, 0])[valid], np.asarray(final)[valid])
+    # two programs compute the final stream: equal to float32 rounding (they differ in the last bit in a full suite)
+    np.testing.assert_allclose(np.asarray(handed.k[0, :, 0])[valid], np.asarray(final)[valid], rtol=0, atol=1e-6)
     assert handed.v.shape[-1] == 0 and handed.k.shape[-1] == model.embedding_width
     alignment = identity_alignment(*ids.shape, np.asarray(mask))
     _, native = prefill(model, ids, mask, capacity=capacity)
@@ -237,8 +238,8 @@ def test_the_target_own_token_embeddings_give_the_native_cache_and_generation(na
     for a, b in ((same.positions, native.positions), (same.valid, native.valid), (same.index, native.index)):
         np.testing.assert_array_equal(a, b)
     slots = np.asarray(native.valid)[None, :, None, :, None]  # padding slots: never read, garbage on both sides
-    for a, b in ((same.k, native.k), (same.v, native.v)):
-        np.testing.assert_array_equal(np.where(slots, a, 0), np.where(slots, b, 0))
+    for a, b in ((same.k, native.k), (same.v, native.v)):  # two programs: equal to float32 rounding
+        np.testing.assert_allclose(np.where(slots, a, 0), np.where(slots, b, 0), rtol=0, atol=1e-5)
     generated = [generate_from_cache(model, c, suffix, max_new_tokens=4) for c in (same, native)]
     np.testing.assert_array_equal(*generated)
 
