@@ -18,10 +18,10 @@ from mot_jax.training import loop
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted(p.name for p in (ROOT / "configs").glob("*.py"))
-TINY = ["--config=configs/quickstart.py:tiny"]
+TINY = ["--config=configs/quickstart.py:replay,tiny"]
 
 
-def load_config(name="quickstart.py", arg="tiny", **overrides):
+def load_config(name="quickstart.py", arg="replay,tiny", **overrides):
     spec = importlib.util.spec_from_file_location(name[:-3], ROOT / "configs" / name)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -73,8 +73,10 @@ def test_sigkill_mid_training_then_restart_equals_uninterrupted_run(tmp_path):
     assert summary["steps"] == 6 and (tmp_path / "resumed" / "tensorboard").is_dir()
 
 
-# every config at :tiny, and the other runs of the results config (direct, reverse, the baselines)
+# every config at :tiny, the quickstart's replay run, and the other runs of the results config (direct, reverse, the
+# baselines)
 RUNS = [(n, "tiny") for n in CONFIGS] + [
+    ("quickstart.py", "replay,tiny"),
     ("smollm2_gemma3.py", "direct,reverse,tiny"),
     ("smollm2_gemma3.py", "single,tiny"),
     ("smollm2_gemma3.py", "direct,projector,tiny"),
@@ -87,7 +89,7 @@ RUNS = [(n, "tiny") for n in CONFIGS] + [
 )
 def test_every_config_runs_two_tiny_steps(name, arg, tmp_path, request):
     config = load_config(name, arg, steps=2, eval_every=2, checkpoint_every=2)
-    if (name, arg) == ("quickstart.py", "tiny"):  # the session's shared run (conftest.tiny_run) is this run
+    if (name, arg) == ("quickstart.py", "replay,tiny"):  # the session's shared run (conftest.tiny_run) is this run
         assert config == load_config(steps=2)
         workdir, summary = request.getfixturevalue("tiny_run")
     else:
