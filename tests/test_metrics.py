@@ -58,3 +58,15 @@ def test_match_choice_prefers_the_longer_named_choice():
     choices = ["New York", "New York City", "Boston"]
     assert match_choice("It is New York City.", choices) == 1
     assert match_choice("new york", choices) == 0
+
+
+def test_a_task_summary_gives_f1_with_its_standard_error_over_examples():
+    """Per-example F1 1, 2/3 (precision 1, recall 1/2), 0: mean 5/9, sample variance 7/27, standard error
+    sqrt(7) / 9; one example has no standard error."""
+    from mot_jax.evals.tasks import summarize
+
+    examples = [dict(answers=["Ada Lovelace"]), dict(answers=["Ada Lovelace"]), dict(answers=["Ada"])]
+    row = dict(predictions=[dict(answer=a) for a in ("Ada Lovelace", "Ada", "Bo")], timed=[(3, 1.0)], handed=[0])
+    out = summarize(row, examples, closed=False)
+    assert (out["f1"], out["f1_se"]) == pytest.approx((5 / 9, 7**0.5 / 9))
+    assert summarize(dict(row, predictions=row["predictions"][:1]), examples[:1], closed=False)["f1_se"] is None

@@ -7,6 +7,7 @@ import re
 import stat
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -197,12 +198,37 @@ def test_plots_show_a_single_length_and_keep_f1_at_or_above_zero(tmp_path, monke
     assert bottom == 0 < top
 
 
+def test_quality_against_ttft_puts_each_method_at_its_share_of_native_ttft(tmp_path, monkeypatch):
+    """F1 +- its standard error against TTFT / native's at the longest length; the source's prefill as a hollow
+    marker; a shuffled-source control at its method's TTFT; no plot for multi-agent or closed-set tasks."""
+    figures, save = {}, report._save
+    monkeypatch.setattr(report, "_save", lambda fig, path: figures.setdefault(path.name, fig) and save(fig, path))
+    data = results(lengths=(32, 64))
+    methods = data["tasks"]["extractive_qa"]["methods"]
+    methods["MoT replay"].update(f1=0.3, f1_se=0.05)
+    methods["MoT replay, shuffled source"] = dict(methods["MoT replay"], f1=0.1, f1_se=0.02)
+    for row in data["latency"]:
+        if row["method"] == "MoT replay" and row["context_tokens"] == 64:
+            row.update(ttft_s=0.005, ttft_with_source_s=0.015)  # native: 0.01
+    report.write(tmp_path / "eval", data)
+    assert [n for n in figures if n.startswith("quality_vs_ttft")] == ["quality_vs_ttft_extractive_qa.png"]
+    ax = figures["quality_vs_ttft_extractive_qa.png"].axes[0]
+    points = {c.get_label(): c for c in ax.containers}  # one errorbar per method
+    shuffled = "MoT replay, shuffled source"
+    for name, x, y, se in (("native", 1.0, 0.0, 0), ("MoT replay", 0.5, 0.3, 0.05), (shuffled, 0.5, 0.1, 0.02)):
+        line, _, (bar,) = points[name]
+        assert (line.get_xdata()[0], line.get_ydata()[0]) == pytest.approx((x, y))
+        np.testing.assert_allclose(bar.get_segments()[0], [[x, y - se], [x, y + se]])
+    hollow = [line for line in ax.get_lines() if line.get_markerfacecolor() == "none"]
+    assert len(hollow) == 1 and (hollow[0].get_xdata()[0], hollow[0].get_ydata()[0]) == pytest.approx((1.5, 0.3))
+
+
 def test_markdown_tables_put_names_left_and_numbers_right():
     table = outputs.markdown_table(("model", "dtype", "ms"), [("gpt2", "bf16", 1.5)], left=2)
     assert table == "| model | dtype | ms |\n| --- | --- | ---: |\n| gpt2 | bf16 | 1.5 |"
     extractive = [
-        "| method | F1 | EM | retention | bytes handed over | examples/s |",
-        "| --- | ---: | ---: | ---: | ---: | ---: |",
-        "| native | 0.000 | 0.000 | - | 10 | 1.00 |",
+        "| method | F1 | F1 s.e. | EM | retention | bytes handed over | examples/s |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| native | 0.000 | - | 0.000 | - | 10 | 1.00 |",
     ]
     assert "\n".join(extractive) in report.markdown(report.split_predictions(results())[0])

@@ -1,5 +1,6 @@
 """The evaluation report: results.json, results.md (the tables printed at the end), predictions.jsonl and plots
-(quality against context budget, TTFT against context length, routing load per expert), written all or nothing."""
+(quality against context budget, TTFT against context length, quality against TTFT per task, routing load per
+expert), written all or nothing."""
 
 from __future__ import annotations
 
@@ -60,11 +61,12 @@ def task_table(task: str, entry: dict) -> str:
             for name, m in methods.items()
         ]
         return outputs.markdown_table(header, rows)
-    header = ["method", "F1", "EM", "retention", "bytes handed over", "examples/s"]
+    header = ["method", "F1", "F1 s.e.", "EM", "retention", "bytes handed over", "examples/s"]
     rows = [
         [
             name,
             f"{m['f1']:.3f}",
+            "-" if m.get("f1_se") is None else f"{m['f1_se']:.3f}",  # none in results.json written before it
             f"{m['exact_match']:.3f}",
             _pct(m["retention"]),
             f"{m['handed_bytes']:,.0f}",
@@ -206,6 +208,8 @@ def plots(results: dict, folder: epath.Path) -> list[str]:
         ax.set(xscale="log", yscale="log", xlabel="context tokens", ylabel="TTFT (ms)", title="Time to first token")
         ax.legend(fontsize=8)
         written.append(_save(fig, folder / "ttft_vs_length.png"))
+    if results.get("latency"):
+        written += quality_vs_ttft(results, folder, plt)
     if results.get("routing"):
         bars = [(f"{name}\n{part}", load) for name, parts in results["routing"].items() for part, load in parts.items()]
         fig, ax = plt.subplots(figsize=(6, 4))
@@ -217,6 +221,41 @@ def plots(results: dict, folder: epath.Path) -> list[str]:
         ax.set(ylabel="share of tokens", title="Routing load per expert")
         ax.legend(fontsize=8)
         written.append(_save(fig, folder / "routing_load.png"))
+    return written
+
+
+def quality_vs_ttft(results: dict, folder: epath.Path, plt) -> list[str]:
+    """Per open-answer task (extractive QA, the user's JSONL): each method's F1 (+- its standard error) against its
+    TTFT at the longest timed length, as a fraction of native context's where native was timed; a hollow marker at
+    the TTFT with the source's prefill added where that differs, and each shuffled-source control at its method's."""
+    longest = max(r["context_tokens"] for r in results["latency"])
+    timed = {r["method"]: r for r in results["latency"] if r["context_tokens"] == longest}
+    scale = timed["native"]["ttft_s"] if "native" in timed else 1e-3
+    unit = "TTFT / native context's" if "native" in timed else "TTFT (ms)"
+    written = []
+    for task, entry in results["tasks"].items():
+        methods = entry.get("methods", {})
+        if task == "multi_agent" or not methods or "exact_match" not in next(iter(methods.values())):
+            continue
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for name, m in methods.items():
+            base, shuffled = name.removesuffix(", shuffled source"), name.endswith(", shuffled source")
+            if base not in timed:
+                continue
+            x, y = timed[base]["ttft_s"] / scale, m["f1"]
+            marker = "x" if shuffled else "o"
+            line = ax.errorbar([x], [y], yerr=[m.get("f1_se") or 0], marker=marker, capsize=3, ls="", label=name)
+            with_source = timed[base]["ttft_with_source_s"] / scale
+            if not shuffled and with_source != x:
+                color = line[0].get_color()
+                ax.plot([x, with_source], [y, y], ls=":", color=color)
+                ax.plot([with_source], [y], marker="o", mfc="none", color=color)
+        title = f"{task}: quality against TTFT at {longest} tokens (hollow: + source prefill)"
+        ax.set(xscale="log", xlabel=unit, ylabel="F1", title=title)
+        ax.title.set_fontsize(9)
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=6)
+        written.append(_save(fig, folder / f"quality_vs_ttft_{task}.png"))
     return written
 
 

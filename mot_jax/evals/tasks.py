@@ -112,8 +112,10 @@ def summarize(row, examples, closed: bool) -> dict:
             unparsed=float(np.mean([p["choice"] is None for p in predictions])),
         )
     else:
+        f1 = [metrics.f1(p["answer"], e["answers"]) for p, e in zip(predictions, examples)]
         out = dict(
-            f1=float(np.mean([metrics.f1(p["answer"], e["answers"]) for p, e in zip(predictions, examples)])),
+            f1=float(np.mean(f1)),
+            f1_se=float(np.std(f1, ddof=1) / np.sqrt(len(f1))) if len(f1) > 1 else None,  # over examples
             exact_match=float(
                 np.mean([metrics.exact_match(p["answer"], e["answers"]) for p, e in zip(predictions, examples)])
             ),
