@@ -262,7 +262,8 @@ def test_replay_attention_and_checkpoint_step_are_chosen_at_evaluation(trained_w
 
 
 def test_multi_agent_predictions_name_each_agent_question_and_gold_answers(pair):
-    """predictions.jsonl had no multi-agent rows: one per document and agent, and its F1 is their mean."""
+    """predictions.jsonl had no multi-agent rows: one per document and agent, and its F1 is their mean (its standard
+    error theirs)."""
     documents = synthetic.examples("multi_agent", 3, seed=6, questions_per_example=2)
     scores = evaluate_agents(pair, [Native()], documents, SETTINGS)
     _, rows = report.split_predictions(dict(tasks=dict(multi_agent=dict(examples=3, methods=scores))))
@@ -271,7 +272,9 @@ def test_multi_agent_predictions_name_each_agent_question_and_gold_answers(pair)
         document, agent = documents[row["index"]], row["agent"]
         assert (row["task"], row["method"]) == ("multi_agent", "native")
         assert (row["question"], row["gold"]) == (document["questions"][agent], document["answers"][agent])
-    assert scores["native"]["f1"] == pytest.approx(np.mean([metrics.f1(r["answer"], r["gold"]) for r in rows]))
+    per_row = [metrics.f1(r["answer"], r["gold"]) for r in rows]
+    assert scores["native"]["f1"] == pytest.approx(np.mean(per_row))
+    assert scores["native"]["f1_se"] == pytest.approx(np.std(per_row, ddof=1) / np.sqrt(len(per_row)))
 
 
 def test_progress_is_a_bar_on_a_terminal_and_periodic_lines_otherwise(monkeypatch):

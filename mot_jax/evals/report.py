@@ -22,14 +22,27 @@ def _seconds(value) -> str:
     return "-" if value is None else f"{value:.3f}"
 
 
+def _se(scores: dict) -> str:
+    return "-" if scores.get("f1_se") is None else f"{scores['f1_se']:.3f}"  # none in results.json written before it
+
+
 def task_table(task: str, entry: dict) -> str:
     methods = entry["methods"]
     if task == "multi_agent":
-        header = ["method", "F1", "retention", "context seconds / document", "target KV held (MiB)", "one shared cache"]
+        header = [
+            "method",
+            "F1",
+            "F1 s.e.",
+            "retention",
+            "context seconds / document",
+            "target KV held (MiB)",
+            "one shared cache",
+        ]
         rows = [
             [
                 name,
                 f"{m['f1']:.3f}",
+                _se(m),
                 _pct(m["retention"]),
                 _seconds(m["context_seconds"]),
                 f"{m['target_kv_bytes'] / MIB:.2f}",
@@ -66,7 +79,7 @@ def task_table(task: str, entry: dict) -> str:
         [
             name,
             f"{m['f1']:.3f}",
-            "-" if m.get("f1_se") is None else f"{m['f1_se']:.3f}",  # none in results.json written before it
+            _se(m),
             f"{m['exact_match']:.3f}",
             _pct(m["retention"]),
             f"{m['handed_bytes']:,.0f}",

@@ -102,6 +102,11 @@ def gold_answers(example: dict) -> list[str]:
     return example["answers"] if "answers" in example else [example["answer"]]
 
 
+def standard_error(values) -> float | None:
+    """Of the mean, over examples (None for one)."""
+    return float(np.std(values, ddof=1) / np.sqrt(len(values))) if len(values) > 1 else None
+
+
 def summarize(row, examples, closed: bool) -> dict:
     predictions = row["predictions"]
     if closed:
@@ -115,7 +120,7 @@ def summarize(row, examples, closed: bool) -> dict:
         f1 = [metrics.f1(p["answer"], e["answers"]) for p, e in zip(predictions, examples)]
         out = dict(
             f1=float(np.mean(f1)),
-            f1_se=float(np.std(f1, ddof=1) / np.sqrt(len(f1))) if len(f1) > 1 else None,  # over examples
+            f1_se=standard_error(f1),
             exact_match=float(
                 np.mean([metrics.exact_match(p["answer"], e["answers"]) for p, e in zip(predictions, examples)])
             ),
@@ -179,7 +184,10 @@ def evaluate_agents(models, methods, documents, settings: Settings, progress=Non
                     )
         if progress:
             progress(min((index + 1) * settings.batch_size, len(documents)), len(documents))
-    results = {name: dict(f1=float(np.mean(values)), agents=agents) for name, values in scores.items()}
+    results = {
+        name: dict(f1=float(np.mean(values)), f1_se=standard_error(values), agents=agents)
+        for name, values in scores.items()
+    }
     first = next(iter(batches(models, examples, dataclasses.replace(settings, batch_size=1), donors=donors)))
     for method in methods:
         shared = isinstance(method, Translated | TextRelay | ShuffledSource | KVComm)  # one reader's work
