@@ -114,6 +114,31 @@ def test_the_dials_switches_and_lsc_serve_in_transformers_as_in_mot_jax(models, 
     assert_exported_serves_as_mot_jax(translator, models["random:llama"], models["random:gemma3"], tmp_path)
 
 
+@pytest.mark.parametrize("kind", ["interlat", "mot_h"])
+@pytest.mark.parametrize("pair", [("random:llama", "random:gemma3"), ("random:gemma3", "random:llama")])
+def test_interlat_and_mot_h_serve_in_transformers_as_in_mot_jax(models, kind, pair, tmp_path):
+    """Interlat's latents as the target's `inputs_embeds` (a Gemma-3 target scales its own token embedding, a Llama
+    one does not) and MoT-h's window-layer inputs replaced by forward pre-hooks: the cache equals mot_jax's, greedy
+    tokens too."""
+    translator = baseline(kind, models[pair[0]][0], models[pair[1]][0])
+    assert_exported_serves_as_mot_jax(translator, models[pair[0]], models[pair[1]], tmp_path)
+
+
+def baseline(kind, source, target):
+    """A small Interlat adapter or MoT-h mixture (over the top half of the target's layers), perturbed."""
+    ls, lt = source.config.num_layers, target.config.num_layers
+    if kind == "interlat":
+        spec, sizes = TranslationSpec.build("direct", None, ls, lt, latents=True), dict(heads=4)
+    else:
+        spec = TranslationSpec.build(
+            "replay", channels.terminal(ls, lt, 0.5), ls, lt, residual=True, sparse_attention=False
+        )
+        sizes = dict(dim=32, heads=4, depth=1, mlp_ratio=2, num_experts=2, dispatch="dense")
+    translator = KVTranslator(spec, mixture_config(spec, source, target, kind=kind, **sizes), rngs=nnx.Rngs(3))
+    perturb(translator, seed=4)  # LayerNorms and zero biases off their init values
+    return translator
+
+
 def test_what_the_pytorch_side_cannot_serve_is_refused_in_one_line(models):
     source, target = models["random:llama"][0], models["random:gemma3"][0]
     spec = TranslationSpec.build("direct", None, 4, 4, native_bottom=4)
@@ -232,14 +257,18 @@ def test_offline_real_pair_in_transformers_equals_mot_jax(method, tmp_path):
 SHORT = "Ships pass at dawn."
 
 
-@pytest.mark.parametrize("mode", ["replay", "direct"])
-def test_every_row_of_a_mixed_length_batch_generates_as_it_does_alone(models, mode, tmp_path):
+@pytest.mark.parametrize("method", ["replay", "direct", "interlat", "mot_h"])
+def test_every_row_of_a_mixed_length_batch_generates_as_it_does_alone(models, method, tmp_path):
     """from_text([short, long]) then one generate call: each row's greedy tokens equal that text's single-row run
     (a Gemma-3 target: its sliding layers keep only the last slots of the padded batch)."""
     (source, source_hf, source_tok), (target, target_hf, target_tok) = models["random:llama"], models["random:gemma3"]
-    spec = TranslationSpec.build(mode, channels.terminal(4, 4, 0.5), 4, 4, k_attn=4, dense_bottom=1)
-    cfg = mixture_config(spec, source, target, dim=32, heads=4, depth=1, mlp_ratio=2, num_experts=2, dispatch="dense")
-    weights.export(KVTranslator(spec, cfg, rngs=nnx.Rngs(3)), source, target, tmp_path / "exported")
+    if method in ("interlat", "mot_h"):
+        translator = baseline(method, source, target)
+    else:
+        spec = TranslationSpec.build(method, channels.terminal(4, 4, 0.5), 4, 4, k_attn=4, dense_bottom=1)
+        sizes = dict(dim=32, heads=4, depth=1, mlp_ratio=2, num_experts=2, dispatch="dense")
+        translator = KVTranslator(spec, mixture_config(spec, source, target, **sizes), rngs=nnx.Rngs(3))
+    weights.export(translator, source, target, tmp_path / "exported")
     pipe = CachePipeline(
         source_hf, target_hf, source_tok, target_tok, TorchKVTranslator.from_pretrained(tmp_path / "exported")
     )

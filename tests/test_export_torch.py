@@ -282,7 +282,7 @@ def test_torch_config_mirrors_the_jax_fields_and_defaults():
     assert jax_fields.keys() <= torch_fields.keys()
     # and the torch side adds the models' cache shapes, which translator_config writes beside the fields
     shapes = {f"{side}_{name}" for side in ("source", "target") for name in ("num_layers", "kv_heads", "head_dim")}
-    shapes |= {"source_rotary", "target_rotary", "target_hidden_size"}
+    shapes |= {"source_rotary", "target_rotary", "target_hidden_size", "source_hidden_size"}
     assert torch_fields.keys() - jax_fields.keys() == shapes
     shared = jax_fields.keys() & torch_fields.keys()
     defaulted = {n for n in shared if jax_fields[n].default is not MISSING}

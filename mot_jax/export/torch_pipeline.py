@@ -13,10 +13,13 @@ cache of its context, its window layers' K/V fused with the source's). With `nat
 target runs its own layers 0..B-1 over the context (`run_native_bottom`: hooks stop its forward there), whose K/V
 are the cache's bottom and which give the target-side inputs (`embeddings`, `hidden`); with `outputs="hidden"` the
 window layers' own norm and attention turn the translated layer inputs into K/V (`layer_key_values`); a translator
-without "source" in `inputs` runs no source. `replay`: the transformers target runs over its
-context with the translated K/V read by the window layers' attention (a registered attention function) and sparse
-top-k attention from the source's attention where the translator was trained with it; the cache it builds (its own
-recomputed K/V) is handed on, as in `mot_jax.translate.translator`.
+without "source" in `inputs` runs no source. `kind="interlat"`: the adapter's latents of the source's last hidden
+states are the target's `inputs_embeds` in one forward over its context (`from_source_hidden`); `kind="mot_h"`: the
+translated input residual streams of the source's window layers replace the target's own (forward pre-hooks) in one
+dense forward over its context (`from_source_streams`); that forward's cache is the cache. `replay`: the
+transformers target runs over its context with the translated K/V read by the window layers' attention (a
+registered attention function) and sparse top-k attention from the source's attention where the translator was
+trained with it; the cache it builds (its own recomputed K/V) is handed on, as in `mot_jax.translate.translator`.
 
 The translation runs on right-padded contexts (each row's positions count from slot 0, as mot_jax); the cache handed
 back is left-padded, the layout transformers' batched generation expects: every row's context ends at the last slot,
@@ -131,34 +134,51 @@ def decoder_layers(model):
     return base.layers if hasattr(base, "layers") else base.h
 
 
-def run_native_bottom(model, ids, mask, bottom, inputs=()):
-    """The target's own layers 0..bottom-1 over right-padded contexts ids, mask [B, T] (the layers above do not run):
-    their full-length (K, V) per layer, and the inputs a translator reads of them (`inputs`: "embeddings", the
-    input of layer 0; "hidden", that of layer `bottom`, the residual stream after layer bottom-1), {name: [B, T, D]}."""
-    layers, seen = decoder_layers(model), {}
-    wanted = {"embeddings": 0, "hidden": bottom}
-    if not bottom and not inputs:  # nothing to run
-        return [], {}
-    stops = {wanted[name] for name in inputs} | {bottom}
+@contextlib.contextmanager
+def _pre_hooks(model, hooks):
+    """{decoder layer: forward pre-hook (module, args, kwargs) -> None or new (args, kwargs)} registered meanwhile."""
+    layers = decoder_layers(model)
+    handles = [layers[i].register_forward_pre_hook(hook, with_kwargs=True) for i, hook in hooks.items()]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _layer_input(args, kwargs):
+    return args[0] if args else kwargs["hidden_states"]
+
+
+def layer_inputs(model, layers, **inputs):
+    """{layer: its input residual stream [B, T, D]} (for layer 0 the embeddings) of the decoder `layers` in a forward
+    of `model` over `inputs` (keyword arguments of its call), which ends at the highest of them."""
+    seen, top = {}, max(layers)
 
     def hook(index):
         def record(module, args, kwargs):
-            seen[index] = args[0] if args else kwargs["hidden_states"]
-            if index == bottom:
+            seen[index] = _layer_input(args, kwargs)
+            if index == top:
                 raise _Stop
 
         return record
 
+    with _pre_hooks(model, {i: hook(i) for i in set(layers)}), contextlib.suppress(_Stop):
+        model(**inputs)
+    return seen
+
+
+def run_native_bottom(model, ids, mask, bottom, inputs=()):
+    """The target's own layers 0..bottom-1 over right-padded contexts ids, mask [B, T] (the layers above do not run):
+    their full-length (K, V) per layer, and the inputs a translator reads of them (`inputs`: "embeddings", the
+    input of layer 0; "hidden", that of layer `bottom`, the residual stream after layer bottom-1), {name: [B, T, D]}."""
+    wanted = {"embeddings": 0, "hidden": bottom}
+    if not bottom and not inputs:  # nothing to run
+        return [], {}
     cache = DynamicCache()  # full-length layers, also the sliding ones
-    handles = [layers[i].register_forward_pre_hook(hook(i), with_kwargs=True) for i in sorted(stops)]
-    try:
-        with contextlib.suppress(_Stop):
-            model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True)
-    finally:
-        for handle in handles:
-            handle.remove()
-    own = _cache_layers(cache)[:bottom]
-    return own, {name: seen[wanted[name]] for name in inputs}
+    stops = {wanted[name] for name in inputs} | {bottom}
+    seen = layer_inputs(model, stops, input_ids=ids, attention_mask=mask, cache=cache, use_cache=True)
+    return _cache_layers(cache)[:bottom], {name: seen[wanted[name]] for name in inputs}
 
 
 class _Capture:
@@ -323,12 +343,21 @@ class CachePipeline:
             self.target_tokenizer, self.source_tokenizer, target_ids, target_mask
         )
         cfg = self.translator.config
+        source_inputs = dict(
+            input_ids=torch.as_tensor(source_ids, dtype=torch.long),
+            attention_mask=torch.as_tensor(source_mask, dtype=torch.long),
+        )
+        if cfg.kind == "interlat":
+            hidden = self.source.base_model(**source_inputs, use_cache=False).last_hidden_state  # final-normed
+            return self.from_source_hidden(hidden, alignment, target_ids, target_mask)
+        if cfg.kind == "mot_h":
+            streams = layer_inputs(self.source, cfg.source_layers, **source_inputs, use_cache=False)
+            return self.from_source_streams([streams[i] for i in cfg.source_layers], alignment, target_ids, target_mask)
         sparse = cfg.mode == "replay" and cfg.sparse_attention
         if "source" not in cfg.inputs and not sparse:  # the source-free translator: the source does not run
             return self.from_source_cache(None, alignment, target_ids, target_mask)
         out = self.source(
-            input_ids=torch.as_tensor(source_ids, dtype=torch.long),
-            attention_mask=torch.as_tensor(source_mask, dtype=torch.long),
+            **source_inputs,
             cache=DynamicCache(),  # full-length layers, also for sliding-window sources
             use_cache=True,
             output_attentions=sparse,
@@ -371,6 +400,47 @@ class CachePipeline:
             topk = head_averaged_topk(source_attentions, cfg.k_attn)
             allowed = allowed_keys(sparse_indices(cfg, topk, alignment), ids.shape[1])
         return self._replay(ids, mask, k, v, allowed)
+
+    @torch.no_grad()
+    def from_source_hidden(self, source_hidden, alignment, target_ids, target_mask):
+        """kind='interlat': the target cache from the source's final-normed last hidden states [B, S, Es] (its base
+        model's `last_hidden_state`): the adapter's latents are the target's `inputs_embeds` in one forward over its
+        context, but at each row's first token (right padding: slot 0), which keeps its own token embedding."""
+        ids = torch.as_tensor(np.asarray(target_ids), dtype=torch.long)
+        mask = torch.as_tensor(np.asarray(target_mask), dtype=torch.long)
+        latents = self.translator.embed_latents(source_hidden, alignment.weights, mask.bool())
+        own = self.target.get_input_embeddings()(ids[:, :1])  # Gemma's embedding scale included, as mot_jax's
+        embeddings = torch.cat([own, latents[:, 1:].to(own.dtype)], 1)
+        cache = DynamicCache()  # full-length layers: the sliding ones are cut after the shift
+        self.target(inputs_embeds=embeddings, attention_mask=mask, cache=cache, use_cache=True)
+        return _left_padded_cache(self.target.config, _cache_layers(cache), mask)
+
+    @torch.no_grad()
+    def from_source_streams(self, source_streams, alignment, target_ids, target_mask):
+        """kind='mot_h': the target cache from the source's input residual streams of its window layers (per window
+        slot [B, S, Ds]): their translations replace the target's own window-layer inputs (forward pre-hooks) in one
+        dense forward over its context, but at each row's first token, which keeps its own."""
+        cfg = self.translator.config
+        ids = torch.as_tensor(np.asarray(target_ids), dtype=torch.long)
+        mask = torch.as_tensor(np.asarray(target_mask), dtype=torch.long)
+        streams = self.translator.translate_streams(source_streams, alignment.weights, mask.bool())  # [W, B, T, Dt]
+        own = layer_inputs(self.target, cfg.target_layers, input_ids=ids[:, :1], use_cache=False)
+        replaced = {}
+        for slot, layer in enumerate(cfg.target_layers):
+            replaced[layer] = torch.cat([own[layer], streams[slot][:, 1:].to(own[layer].dtype)], 1)
+
+        def hook(layer):
+            def replace(module, args, kwargs):
+                if args:
+                    return (replaced[layer], *args[1:]), kwargs
+                return args, kwargs | dict(hidden_states=replaced[layer])
+
+            return replace
+
+        cache = DynamicCache()
+        with _pre_hooks(self.target, {layer: hook(layer) for layer in replaced}):
+            self.target(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True)
+        return _left_padded_cache(self.target.config, _cache_layers(cache), mask)
 
     def _fused(self, source_layers, alignment, target_ids, target_mask):
         """kind='c2c': the target reads its context itself, then its window layers take the fused K/V."""

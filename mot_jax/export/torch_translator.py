@@ -18,7 +18,10 @@ of `kind="projector"` (the C2C-Project baseline) holds a `Projector` per K and V
 `kind="linear"` only its linear skips (`NoMixture` beside them); one of `kind="lsc"` a `LatentTranslator` per K and V
 (every source layer through the shared latent into every target layer); one of `kind="c2c"` (the C2C fuser) a `Fuser`
 per K and V, called through `fuse_window` with the target's own cache of the context (its gate hard, as at
-evaluation).
+evaluation). Two kinds translate no K/V: `kind="mot_h"` (MoT-h) holds one `Mixture`, `hidden`, that `translate_streams`
+runs on the source's window-layer input residual streams, and `kind="interlat"` an `Adapter` that `embed_latents` runs
+on the source's last hidden states; what they write replaces the target's window-layer inputs or its input embeddings
+in the target's forward over its context (`torch_pipeline.CachePipeline`).
 
 The dial's switches (`config.native_bottom`, `inputs`, `outputs`): a translator that reads the target's own input
 embeddings or its residual stream after its native bottom layers takes them as `translate_window(...,
@@ -65,8 +68,10 @@ class TorchTranslatorConfig:
     source_rotary: bool = False  # the source model uses RoPE
     target_rotary: bool = False
     target_hidden_size: int = 0  # the target's residual width: its features' and hidden outputs' (0: unused)
+    source_hidden_size: int = 0  # the source's residual width: what kind='mot_h' reads (0: unused)
     kind: str = "mot"  # "mot" (a Mixture per K and V) | "projector" (a Projector) | "linear" (the skip alone)
-    # | "c2c" (a Fuser) | "lsc" (a LatentTranslator)
+    # | "c2c" (a Fuser) | "lsc" (a LatentTranslator) | "mot_h" (one Mixture of residual streams)
+    # | "interlat" (an Adapter of the source's last hidden states)
     dim: int = 1024
     heads: int = 16
     depth: int = 2
@@ -97,9 +102,14 @@ class TorchTranslatorConfig:
             object.__setattr__(self, name, tuple(int(i) for i in getattr(self, name)))
         object.__setattr__(self, "inputs", tuple(self.inputs))
         mot = self.kind == "mot"  # a projector or fuser reads none of the mixture's routing fields
-        kinds = ("mot", "projector", "linear", "c2c", "lsc")
-        source_window = self.source_window or self.window
+        kinds = ("mot", "projector", "linear", "c2c", "lsc", "mot_h", "interlat")
+        outputs = {"mot_h": ("residual",), "interlat": ("embeddings",)}.get(self.kind, ("kv", "hidden"))
+        interlat = self.kind == "interlat"  # reads the source's last layer; its widths are the models' embedding
+        # widths (OPT's may differ from its hidden size)
+        source_window = self.source_window or (1 if interlat else self.window)
+        source_read = self.source_hidden_size if self.kind == "mot_h" else self.source_kv_heads * self.source_head_dim
         target_kv_width = self.target_kv_heads * self.target_head_dim
+        target_write = self.target_hidden_size if self.outputs in ("hidden", "residual") else target_kv_width
         features = sum(i in ("embeddings", "hidden") for i in self.inputs) * self.target_hidden_size
         checks = [
             (self.kind in kinds, f"kind={self.kind!r} must be one of {', '.join(kinds)}"),
@@ -108,7 +118,7 @@ class TorchTranslatorConfig:
                 bool(self.inputs) and set(self.inputs) <= {"source", "embeddings", "hidden"},
                 f"inputs={list(self.inputs)} must be a subset of source, embeddings, hidden",
             ),
-            (self.outputs in ("kv", "hidden"), f"outputs={self.outputs!r} must be 'kv' or 'hidden'"),
+            (self.outputs in outputs, f"outputs={self.outputs!r} must be {' or '.join(map(repr, outputs))}"),
             (
                 0 <= self.native_bottom < self.target_num_layers and (self.mode == "direct" or not self.native_bottom),
                 f"native_bottom={self.native_bottom} must be 0, or below the target's layers in mode='direct'",
@@ -130,13 +140,14 @@ class TorchTranslatorConfig:
                 "source_layers",
             ),
             (
-                self.source_width == self.source_kv_heads * self.source_head_dim * ("source" in self.inputs) + features,
-                "source_width must equal source_kv_heads * source_head_dim (when it reads the source) plus "
-                "target_hidden_size per target-side input",
+                interlat or self.source_width == source_read * ("source" in self.inputs) + features,
+                "source_width must equal source_kv_heads * source_head_dim (kind='mot_h': source_hidden_size; when it "
+                "reads the source) plus target_hidden_size per target-side input",
             ),
             (
-                self.target_width == (self.target_hidden_size if self.outputs == "hidden" else target_kv_width),
-                "target_width must equal target_kv_heads * target_head_dim (outputs='hidden': target_hidden_size)",
+                interlat or self.target_width == target_write,
+                "target_width must equal target_kv_heads * target_head_dim (outputs='hidden' or 'residual': "
+                "target_hidden_size)",
             ),
             (
                 all(0 <= i < self.source_num_layers for i in self.source_layers)
@@ -180,13 +191,13 @@ def gelu(x):
     return F.gelu(x)  # exact (erf), as the JAX translator
 
 
-def layer_norm(x, scale, bias, stacked):
+def layer_norm(x, scale, bias, stacked, eps=EPS):
     """LayerNorm over the last axis, in fp32. stacked: scale/bias [E, ..., d] line up with x [E, ..., d]'s trailing
     axes after the expert axis (x [E, B, T, W, d] with scale [E, W, d] or [E, d]); else plain broadcasting."""
     x32 = x.float()
     mean = x32.mean(-1, keepdim=True)
     var = (x32 - mean).square().mean(-1, keepdim=True)
-    y = ((x32 - mean) * torch.rsqrt(var + EPS)).to(x.dtype)
+    y = ((x32 - mean) * torch.rsqrt(var + eps)).to(x.dtype)
     if stacked:
         shape = (scale.shape[0],) + (1,) * (x.ndim - scale.ndim) + tuple(scale.shape[1:])
         scale, bias = scale.reshape(shape), bias.reshape(shape)
@@ -496,6 +507,37 @@ class LatentTranslator(nn.Module):
         return self.from_shared(self.to_shared(x, visible), visible)
 
 
+class Adapter(nn.Module):
+    """Interlat's adapter (JAX: `mot_jax.translate.interlat.Adapter`, the formulas in its module docstring), in eval
+    mode: the source's last hidden states [B, T, Es] on the target grid -> the target's input embeddings [B, T, Et]."""
+
+    def __init__(self, cfg: TorchTranslatorConfig):
+        super().__init__()
+        ds, d = cfg.source_width, cfg.target_width
+        self.heads = next(h for h in range(min(cfg.heads, d), 0, -1) if d % h == 0)  # the largest divisor up to heads
+        self.input_proj = Linear(din=ds, dout=d) if ds != d else None
+        self.pre_norm, self.post_norm, self.norm = LayerNorm(d), LayerNorm(d), LayerNorm(d)
+        self.in_proj, self.out_proj = Linear(din=d, dout=3 * d), Linear(din=d, dout=d)  # packed q, k, v
+        self.scale, self.output_scale = nn.Parameter(torch.tensor(0.2)), nn.Parameter(torch.tensor(0.1))
+        self.fc1, self.fc2 = Linear(din=d, dout=d), Linear(din=d, dout=d)
+
+    def forward(self, x, token_mask):
+        """x [B, T, Es], token_mask [B, T] bool (padding keys are hidden from the attention) -> [B, T, Et]."""
+        lin = lambda x, m: x @ m.kernel + m.bias
+        norm = lambda x, n, eps: layer_norm(x, n.scale, n.bias, False, eps)
+        if self.input_proj is not None:
+            x = lin(x, self.input_proj)
+        n = norm(x, self.pre_norm, 1e-6)
+        b, t, d = n.shape
+        q, k, v = (a.reshape(b, t, self.heads, -1) for a in lin(n, self.in_proj).chunk(3, -1))
+        logits = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float()) * (d // self.heads) ** -0.5
+        logits = torch.where(token_mask[:, None, None, :], logits, MASK_VALUE)  # every token to every token
+        attended = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(logits, -1).to(v.dtype), v).reshape(b, t, d)
+        residual = norm(n + lin(attended, self.out_proj), self.post_norm, 1e-6) * self.scale
+        y = (residual + lin(norm(gelu(lin(residual, self.fc1)), self.norm, EPS), self.fc2)) * self.output_scale
+        return y.clamp(-10.0, 10.0)  # the reference's clip
+
+
 class Rope(nn.Module):
     """Per-layer RoPE inverse frequencies of the source [Ls, ds/2] and target [Lt, dt/2] models (buffers)."""
 
@@ -531,6 +573,13 @@ class LinearSkip(nn.Module):
         return torch.einsum("btwi,wio->btwo", x, self.kernel) + self.bias
 
 
+def resample(weights, x):
+    """Source-token vectors x [B, S, ...] onto the target tokens by the alignment weights [B, T, S]: [B, T, ...]."""
+    b, s = x.shape[:2]
+    y = torch.einsum("bts,bsf->btf", weights.float(), x.reshape(b, s, -1).float())
+    return y.reshape(b, -1, *x.shape[2:])
+
+
 def rms_normalized(x):
     """A target-side input per token, RMS-normalised in fp32 (as JAX's `translator.rms_normalized`)."""
     x = x.float()
@@ -546,12 +595,18 @@ class KVTranslator(nn.Module):
         super().__init__()
         cfg = config if isinstance(config, TorchTranslatorConfig) else TorchTranslatorConfig.from_dict(config)
         self.config = cfg
+        self.rope = Rope(cfg) if cfg.apply_rotary else None
+        if cfg.kind == "mot_h":  # one mixture of the residual streams (`translate_streams`)
+            self.hidden = Mixture(cfg)
+            return
+        if cfg.kind == "interlat":  # one adapter of the last hidden states (`embed_latents`)
+            self.adapter = Adapter(cfg)
+            return
         kinds = {"projector": Projector, "linear": NoMixture, "c2c": Fuser, "lsc": LatentTranslator}
         module = kinds.get(cfg.kind, Mixture)
         self.key, self.value = module(cfg), module(cfg)
         if cfg.linear_skip:
             self.key_skip, self.value_skip = LinearSkip(cfg), LinearSkip(cfg)
-        self.rope = Rope(cfg) if cfg.apply_rotary else None
 
     @classmethod
     def from_pretrained(cls, folder, device="cpu", dtype=torch.float32) -> KVTranslator:
@@ -646,8 +701,9 @@ class KVTranslator(nn.Module):
         context [B, T, D] (`embeddings`) and its residual stream before layer `native_bottom` [B, T, D] (`hidden`).
         """
         cfg = self.config
-        if cfg.kind == "c2c":
-            raise ValueError("A kind='c2c' translator fuses into the target's own cache; call fuse_window.")
+        calls = {"c2c": "fuse_window", "mot_h": "translate_streams", "interlat": "embed_latents"}
+        if cfg.kind in calls:
+            raise ValueError(f"A kind={cfg.kind!r} translator translates no K/V window; call {calls[cfg.kind]}.")
         parts_k, parts_v, mask = [], [], target_mask
         if "source" in cfg.inputs:
             k, v, mask = self._aligned(source_k, source_v, alignment_weights, target_mask, source_positions)
@@ -691,17 +747,39 @@ class KVTranslator(nn.Module):
         own_k, own_v = (own(c).reshape(*k.shape[:3], -1).to(self.dtype) for c in (target_k, target_v))
         return self._to_cache(self.key(own_k, k, mask), self.value(own_v, v, mask), mask)
 
+    def translate_streams(self, source_streams, alignment_weights, target_mask=None):
+        """kind='mot_h': the source's input residual streams of its window layers (`config.source_layers`), per
+        window slot [B, S, Ds] -> the target window layers' (`config.target_layers`) inputs [W, B, T, Dt], which
+        replace the target's own in its forward over the context (`torch_pipeline.CachePipeline` does that)."""
+        x = torch.stack(list(source_streams), 2).to(self.dtype)  # [B, S, W, Ds]
+        weights = self._weights(alignment_weights, *x.shape[:2], x.device)
+        x = resample(weights, x).to(self.dtype)
+        return self.hidden(x, self._mask(target_mask, *x.shape[:2], x.device)).permute(2, 0, 1, 3)
+
+    def embed_latents(self, source_hidden, alignment_weights, target_mask=None):
+        """kind='interlat': the source's final-normed last hidden states [B, S, Es] (transformers' last_hidden_state)
+        -> the target's input embeddings of its context [B, T, Et] (its `inputs_embeds`)."""
+        x = torch.as_tensor(source_hidden).to(self.dtype)
+        weights = self._weights(alignment_weights, *x.shape[:2], x.device)
+        x = resample(weights, x).to(self.dtype)
+        return self.adapter(x, self._mask(target_mask, *x.shape[:2], x.device))
+
+    @staticmethod
+    def _weights(alignment_weights, b, s, device):
+        weights = torch.as_tensor(alignment_weights, device=device)
+        if weights.ndim != 3 or weights.shape[0] != b or weights.shape[2] != s:
+            raise ValueError(
+                f"alignment_weights are {tuple(weights.shape)}, not [B={b}, T, S={s}]; pass the alignment of this "
+                "source context onto the target tokens."
+            )
+        return weights
+
     def _aligned(self, source_k, source_v, alignment_weights, target_mask=None, source_positions=None):
         """The source window's K and V on the target token grid, each [B, T, W, Ks * ds], and the target mask."""
         cfg = self.config
         k, v = self._stack(source_k, "source_k"), self._stack(source_v, "source_v")  # [B, S, W, K, d]
         b, s = k.shape[:2]
-        weights = torch.as_tensor(alignment_weights, device=k.device)
-        if weights.ndim != 3 or weights.shape[0] != b or weights.shape[2] != s:
-            raise ValueError(
-                f"alignment_weights are {tuple(weights.shape)}, not [B={b}, T, S={s}]; pass the alignment of this "
-                "source cache onto the target tokens."
-            )
+        weights = self._weights(alignment_weights, b, s, k.device)
         t = weights.shape[1]
         mask = self._mask(target_mask, b, t, k.device)
         if cfg.apply_rotary:  # un-rotate the source keys by their own positions
@@ -713,10 +791,9 @@ class KVTranslator(nn.Module):
             k = torch.stack(
                 [apply_rope(k[:, :, i], -positions, freq[li]) for i, li in enumerate(cfg.source_layers)], dim=2
             )
-        resample = lambda x: torch.einsum("bts,bsw->btw", weights.float(), x.reshape(b, s, -1).float())
         w = len(cfg.source_layers)  # the window's (LSC: every source layer)
-        k = resample(k).reshape(b, t, w, -1).to(self.dtype)  # [B, T, W, Ks * ds]
-        v = resample(v).reshape(b, t, w, -1).to(self.dtype)
+        k = resample(weights, k).reshape(b, t, w, -1).to(self.dtype)  # [B, T, W, Ks * ds]
+        v = resample(weights, v).reshape(b, t, w, -1).to(self.dtype)
         return k, v, mask
 
     def _to_cache(self, k, v, mask):
@@ -750,6 +827,7 @@ __all__ = [
     "Fuser",
     "NoMixture",
     "LatentTranslator",
+    "Adapter",
     "LinearSkip",
     "TorchTranslatorConfig",
     "load",

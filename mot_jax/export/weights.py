@@ -1,8 +1,8 @@
 """A KVTranslator's weights and config as plain numpy / JSON, for `mot_jax.export.torch_translator`.
 
 `export(translator, source, target, folder)` writes `folder/config.json` and `folder/model.safetensors`; the torch
-side loads them with `KVTranslator.from_pretrained(folder)` and imports no JAX. Every kind of `SERVED_KINDS` exports,
-with the dial's switches (`translator_config` says what it refuses).
+side loads them with `KVTranslator.from_pretrained(folder)` and imports no JAX. Every kind exports (MoT-h and Interlat
+included), with the dial's switches (`translator_config` says what it refuses).
 """
 
 from __future__ import annotations
@@ -19,8 +19,6 @@ from mot_jax.models.base import ModelConfig
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 FORMAT = "mot_jax.kv_translator"
-SERVED_KINDS = ("mot", "projector", "linear", "c2c", "lsc")  # what `torch_translator.KVTranslator` computes
-SERVED_OUTPUTS = ("kv", "hidden")
 
 
 def _config(model) -> ModelConfig:
@@ -48,20 +46,14 @@ def translator_tensors(translator, source=None, target=None) -> dict[str, np.nda
             raise MotJaxError("A rotary translator exports RoPE tables; pass its source and target models or configs.")
         if _rotary(translator, source, target):
             tensors["rope.source_inv_freq"], tensors["rope.target_inv_freq"] = _rope(source), _rope(target)
-    return {name: np.ascontiguousarray(array) for name, array in tensors.items()}
+    return {name: np.require(array, requirements="C") for name, array in tensors.items()}  # 0-d stays 0-d
 
 
 def translator_config(translator, source, target) -> dict:
     """JSON-serialisable: the TranslatorConfig and TranslationSpec fields and the two models' cache shapes. Refuses,
-    in one line, what the PyTorch side cannot serve: another kind or outputs than `SERVED`, a translator with nothing
-    to translate (native_bottom = the target's layers), and layer-input outputs (outputs='hidden') for a target other
-    than a rotary decoder."""
+    in one line, what the PyTorch side cannot serve: a translator with nothing to translate (native_bottom = the
+    target's layers), and layer-input outputs (outputs='hidden') for a target other than a rotary decoder."""
     spec = translator.spec
-    if translator.cfg.kind not in SERVED_KINDS or spec.outputs not in SERVED_OUTPUTS:
-        raise MotJaxError(
-            f"The PyTorch export covers kind={'/'.join(SERVED_KINDS)} writing outputs='kv' or 'hidden', not "
-            f"kind={translator.cfg.kind!r} with outputs={spec.outputs!r}; evaluate this translator in JAX."
-        )
     if not spec.target_layers:
         raise MotJaxError(
             f"native_bottom={spec.native_bottom} is every target layer: nothing is translated, so there is nothing "
@@ -79,7 +71,7 @@ def translator_config(translator, source, target) -> dict:
         cfg = _config(model)
         out |= {f"{side}_num_layers": cfg.num_layers, f"{side}_kv_heads": cfg.num_kv_heads}
         out |= {f"{side}_head_dim": cfg.head_dim, f"{side}_rotary": cfg.rotary}
-    out["target_hidden_size"] = target_cfg.hidden_size
+    out["target_hidden_size"], out["source_hidden_size"] = target_cfg.hidden_size, _config(source).hidden_size
     out["apply_rotary"] = _rotary(translator, source, target)
     return out
 
