@@ -124,6 +124,28 @@ def test_mixtures_and_routers_match(case, models, tmp_path):
     assert max(diffs.values()) < ATOL, diffs
 
 
+def test_interlat_adapter_matches(models, tmp_path):
+    """Widths that differ (the input projection), a head count that does not divide the width (6 -> 5 of 40), padding
+    keys hidden, and scales large enough that the clip acts."""
+    source, target = models["llama"][0], models["gemma3"][0]
+    spec = TranslationSpec.build("direct", None, 4, 4, latents=True)
+    jt = KVTranslator(spec, TranslatorConfig(12, 40, 4, kind="interlat", heads=6), rngs=nnx.Rngs(2))
+    perturb(jt, seed=3)
+    for name, value in (("scale", 1.5), ("output_scale", 3.0)):  # larger than at init, so some outputs clip
+        getattr(jt.adapter, name).set_value(jnp.asarray(value))
+    tt = roundtrip(jt, source, target, tmp_path)
+    x = 3 * jax.random.normal(jax.random.key(7), (2, 9, 12))
+    mask = np.ones((2, 9), bool)
+    mask[1, 6:] = False
+    y = jit(lambda adapter, x, mask: adapter(x, mask))(jt.adapter, x, jnp.asarray(mask))
+    with torch.no_grad():
+        got = tt.adapter(torch.tensor(np.asarray(x)), torch.from_numpy(mask))
+    assert tt.adapter.heads == 5 and tt.adapter.input_proj is not None and np.abs(np.asarray(y)).max() == 10.0
+    diff = max_diff(np.asarray(y)[mask], got[torch.from_numpy(mask)])
+    print(f"\n[interlat adapter] max |jax - torch|: {diff:.2e}")
+    assert diff < ATOL
+
+
 def test_sparse_queues_over_capacity_match(models, tmp_path):
     """Queues longer than a small first capacity take a larger one in JAX (dropless); torch, dense, agrees."""
     source, target = models["llama"][0], models["gemma3"][0]

@@ -128,7 +128,8 @@ class TorchTranslatorConfig:
             (not mot or self.dispatch in ("dense", "sparse"), f"dispatch={self.dispatch!r} must be dense or sparse"),
             (self.output_activation in ("gelu", "none"), f"output_activation={self.output_activation!r} is unknown"),
             (
-                self.kind in ("projector", "linear") or self.dim % self.heads == 0,
+                self.kind in ("projector", "linear", "interlat") or self.dim % self.heads == 0,  # interlat: heads of
+                # the target width, the largest divisor up to `heads`
                 f"dim={self.dim} must be divisible by heads={self.heads}",
             ),
             (not self.rotary or self.output_activation == "none", "rotary=true needs output_activation='none'"),
