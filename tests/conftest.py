@@ -1,19 +1,21 @@
 """Test set-up: 8 simulated CPU devices and cheaper XLA compiles (set before jax is imported), offline hub, fp32
-matmuls, compiled programs released after each test module."""
+matmuls, a persistent compilation cache for the session, compiled programs released after each test module."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-# Cheaper compiles: the tests spend most of their time compiling small programs. LLVM's -O0 codegen without its
-# expensive passes, and XLA's elemental emitters for fused loops in place of the MLIR ones, each halve that (the
-# multi-process tests train this way too). XLA's HLO optimizations stay as users get them: the same fused programs,
-# their results equal to rounding (~1e-7). XLA_FLAGS naming a flag keeps its value, e.g.
-# --xla_backend_optimization_level=2 for the default codegen. No persistent compilation cache: an executable built
-# with the elemental emitters aborts the process when loaded back from one (and the suite ran faster without it).
+# Cheaper compiles: the tests spend most of their time compiling small programs, and LLVM's -O0 codegen without its
+# expensive passes halves that (the multi-process tests train this way too). XLA's HLO optimizations stay as users get
+# them: the same fused programs, their results equal to rounding (~1e-7). XLA_FLAGS naming either flag keeps its value,
+# e.g. --xla_backend_optimization_level=2 for the default codegen. (--xla_cpu_use_fusion_emitters=false would halve
+# the compiles again, but the sharded steps then deadlock now and then in XLA's CPU collectives (rendezvous.cc: devices
+# waiting in different collectives), which aborts the process.)
 CHEAP_COMPILE_FLAGS = (
     "--xla_backend_optimization_level=0",
     "--xla_llvm_disable_expensive_passes=true",
-    "--xla_cpu_use_fusion_emitters=false",
 )
 for flag in CHEAP_COMPILE_FLAGS:
     if flag.split("=")[0] not in os.environ["XLA_FLAGS"]:
@@ -21,7 +23,15 @@ for flag in CHEAP_COMPILE_FLAGS:
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["HF_HUB_OFFLINE"] = "1"  # no test may download from a hub
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"  # also in the commands the tests start (see above)
+# One persistent compilation cache for the session, shared with the commands the tests start: every tiny training
+# run builds a new Trainer (new jitted functions) and recompiled the same programs (~40 s of each run on a 2-core CPU);
+# a hit loads the same XLA executable. A fresh folder per session (unless one is given), so nothing outlives the run.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="mot_jax_tests_xla_")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+# a size limit makes JAX lock the folder while it reads or writes an entry (test commands run beside this process)
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
 
 import jax  # noqa: E402
 

@@ -43,7 +43,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(processes: int, workdirs: list, steps: int) -> tuple[list[int], list[str]]:
+def run(processes: int, workdirs: list, steps: int, cache: Path) -> tuple[list[int], list[str]]:
     """`python -m mot_jax.train` as `processes` processes sharing 8 CPU devices, process i in `workdirs[i]`; returns
     their exit codes and outputs."""
     env = os.environ | dict(
@@ -51,6 +51,8 @@ def run(processes: int, workdirs: list, steps: int) -> tuple[list[int], list[str
         XLA_FLAGS=" ".join((f"--xla_force_host_platform_device_count={8 // processes}", *CHEAP_COMPILE_FLAGS)),
         JAX_PLATFORMS="cpu",
         JAX_DEFAULT_MATMUL_PRECISION="highest",  # as conftest.py
+        JAX_COMPILATION_CACHE_DIR=str(cache),  # the resumed runs reuse the first runs' programs
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
     )
     coordinator = [f"--coordinator_address=localhost:{free_port()}", f"--num_processes={processes}"]
     paths = [Path(f"{workdirs[i]}.{steps}.{processes}.{i}.log") for i in range(processes)]  # files: no pipe fills up
@@ -76,8 +78,8 @@ def before_dump(log: str) -> str:
     return head[-2500:] + (fatal + _.splitlines()[0] if fatal else "")
 
 
-def train(workdir, steps: int, processes: int) -> list[str]:
-    codes, logs = run(processes, [workdir] * processes, steps)
+def train(workdir, steps: int, processes: int, cache: Path) -> list[str]:
+    codes, logs = run(processes, [workdir] * processes, steps, cache)
     # every process's output: one process's fault aborts the others, whose own output then holds only their dumps
     report = "\n".join(
         f"--- process {i}, exit {code}:\n{before_dump(log)}" for i, (code, log) in enumerate(zip(codes, logs))
@@ -99,24 +101,24 @@ def assert_same(a, b):
 
 @pytest.mark.slow
 def test_two_processes_train_as_one_and_checkpoints_move_between_them(tmp_path):
-    pair, single = tmp_path / "pair", tmp_path / "single"
-    logs = train(pair, 3, processes=2)
-    train(single, 3, processes=1)
+    pair, single, cache = tmp_path / "pair", tmp_path / "single", tmp_path / "jax_cache"
+    logs = train(pair, 3, processes=2, cache=cache)
+    train(single, 3, processes=1, cache=cache)
     assert "step 3/3" in logs[0] and "step 3/3" not in logs[1]  # process 0 logs for both
     assert len(list((pair / "tensorboard").iterdir())) == 1 and (pair / "summary.json").is_file()
     pair_3 = params(pair)
     assert_same(pair_3, params(single))
 
     # two more steps (the last step of a schedule has learning rate 0), each workdir resumed by the other layout
-    assert "Resumed from step 3" in train(pair, 5, processes=1)[0]
-    assert "Resumed from step 3" in train(single, 5, processes=2)[0]
+    assert "Resumed from step 3" in train(pair, 5, processes=1, cache=cache)[0]
+    assert "Resumed from step 3" in train(single, 5, processes=2, cache=cache)[0]
     assert_same(params(pair), params(single))
     assert not all(np.array_equal(x, y) for x, y in zip(pair_3, params(pair)))
 
 
 def test_processes_that_see_different_workdirs_stop_with_the_reason(tmp_path):
     """As hosts whose workdir is on their own local disk: Orbax could not write one checkpoint there."""
-    codes, logs = run(2, [tmp_path / "host0", tmp_path / "host1"], 3)
+    codes, logs = run(2, [tmp_path / "host0", tmp_path / "host1"], 3, tmp_path / "jax_cache")
     assert codes == [2, 2], logs
     assert "Processes [1] do not see the workdir" in logs[0] and "shared file system or a gs://" in logs[1]
 
