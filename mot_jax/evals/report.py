@@ -221,7 +221,6 @@ def plots(results: dict, folder: epath.Path) -> list[str]:
         ax.set(xscale="log", yscale="log", xlabel="context tokens", ylabel="TTFT (ms)", title="Time to first token")
         ax.legend(fontsize=8)
         written.append(_save(fig, folder / "ttft_vs_length.png"))
-    if results.get("latency"):
         written += quality_vs_ttft(results, folder, plt)
     if results.get("routing"):
         bars = [(f"{name}\n{part}", load) for name, parts in results["routing"].items() for part, load in parts.items()]
