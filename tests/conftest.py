@@ -1,4 +1,4 @@
-"""Test set-up: 8 simulated CPU devices and cheaper XLA compiles (set before jax is imported), offline hub, fp32
+"""Test set-up: 8 simulated CPU devices and cheaper XLA compiles, offline hub, fp32
 matmuls, a persistent compilation cache for the session, compiled programs released after each test module."""
 
 import atexit
@@ -10,9 +10,8 @@ os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_p
 # Cheaper compiles: the tests spend most of their time compiling small programs, and LLVM's -O0 codegen without its
 # expensive passes halves that (the multi-process tests train this way too). XLA's HLO optimizations stay as users get
 # them: the same fused programs, their results equal to rounding (~1e-7). XLA_FLAGS naming either flag keeps its value,
-# e.g. --xla_backend_optimization_level=2 for the default codegen. (--xla_cpu_use_fusion_emitters=false would halve
-# the compiles again, but the sharded steps then deadlock now and then in XLA's CPU collectives (rendezvous.cc: devices
-# waiting in different collectives), which aborts the process.)
+# e.g. --xla_backend_optimization_level=2 for the default codegen. One-device programs also skip XLA's MLIR fusion
+# emitters (below, after jax is imported).
 CHEAP_COMPILE_FLAGS = (
     "--xla_backend_optimization_level=0",
     "--xla_llvm_disable_expensive_passes=true",
@@ -36,6 +35,28 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def _single_device_programs_use_elemental_emitters():
+    """Compile every one-device program with XLA's elemental CPU emitter instead of its MLIR fusion emitters, which
+    halves the compile time that dominates these tests. Programs over several devices keep the fusion emitters: with
+    the elemental emitter their collectives sometimes wait on each other in different orders (rendezvous.cc: devices
+    in different collectives) and XLA aborts the process. A one-device program has no collectives."""
+    from jax._src import compiler
+
+    get_compile_options = compiler.get_compile_options
+
+    def compile_options(num_replicas, num_partitions, *args, env_options_overrides=None, **kwargs):
+        if num_replicas * num_partitions == 1:
+            env_options_overrides = {"xla_cpu_use_fusion_emitters": False, **(env_options_overrides or {})}
+        kwargs["env_options_overrides"] = env_options_overrides
+        return get_compile_options(num_replicas, num_partitions, *args, **kwargs)
+
+    compiler.get_compile_options = compile_options
+
+
+if "xla_cpu_use_fusion_emitters" not in os.environ["XLA_FLAGS"]:
+    _single_device_programs_use_elemental_emitters()
 
 import gc  # noqa: E402
 
