@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import one_device_command_env
 from orbax.checkpoint._src.handlers import json_checkpoint_handler
 from test_train_run import ROOT, TINY, load_config, run_cli
 
@@ -170,7 +171,9 @@ def test_ctrl_c_stops_in_one_line_and_exits(tmp_path):
         "--config.checkpoint_every=2",
         "--config.translator.channels.mode=terminal",
     ]
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        command, cwd=ROOT, env=one_device_command_env(), capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 128 + signal.SIGINT, result.stderr[-2000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert errors == [

@@ -12,6 +12,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from conftest import one_device_command_env
 
 from mot_jax.errors import MotJaxError
 from mot_jax.training import loop
@@ -48,7 +49,7 @@ def run_cli(workdir, *flags, kill_at_step=None):
             "loop.Trainer.train_step = killing\n" + script
         )
     command = [sys.executable, "-c", script, *TINY, f"--workdir={workdir}", *flags]
-    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    return subprocess.run(command, cwd=ROOT, env=one_device_command_env(), capture_output=True, text=True, timeout=600)
 
 
 def final_params(workdir, step):
