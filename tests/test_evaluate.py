@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
+from conftest import one_device_command_env
 from flax import nnx
 
 from mot_jax.errors import MotJaxError
@@ -33,7 +34,7 @@ from mot_jax.evals.prompts import (
     target_chat,
     token_ids,
 )
-from mot_jax.evals.tasks import evaluate_agents, evaluate_examples
+from mot_jax.evals.tasks import add_paired_controls, evaluate_agents, evaluate_examples
 from mot_jax.jit import jit
 from mot_jax.models.base import generate
 from mot_jax.progress import Progress
@@ -195,7 +196,7 @@ def test_report_files_are_written_and_parse(trained_workdir, tmp_path):
 
 def evaluate_cli(*flags):
     command = [sys.executable, "-m", "mot_jax.evaluate", *flags]
-    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    return subprocess.run(command, cwd=ROOT, env=one_device_command_env(), capture_output=True, text=True, timeout=600)
 
 
 def test_cli_errors_are_one_line(trained_workdir, tmp_path):
@@ -273,6 +274,7 @@ def test_multi_agent_predictions_name_each_agent_question_and_gold_answers(pair)
         assert (row["task"], row["method"]) == ("multi_agent", "native")
         assert (row["question"], row["gold"]) == (document["questions"][agent], document["answers"][agent])
     per_row = [metrics.f1(r["answer"], r["gold"]) for r in rows]
+    assert [r["f1"] for r in rows] == per_row
     assert scores["native"]["f1"] == pytest.approx(np.mean(per_row))
     assert scores["native"]["f1_se"] == pytest.approx(np.std(per_row, ddof=1) / np.sqrt(len(per_row)))
 
@@ -351,8 +353,9 @@ def test_shuffled_source_equals_the_translation_when_the_translator_ignores_the_
     shuffled, _ = ShuffledSource(method).build(pair, contexts, contexts.length, Stopwatch())
     for field in ("k", "v", "positions", "valid"):
         np.testing.assert_array_equal(getattr(shuffled, field), getattr(normal, field))
-    results = evaluate_examples(pair, [method, ShuffledSource(method)], examples, SETTINGS)
+    results = add_paired_controls(evaluate_examples(pair, [method, ShuffledSource(method)], examples, SETTINGS))
     assert results["zero, shuffled source"]["predictions"] == results["zero"]["predictions"]
+    assert (results["zero"]["vs_shuffled"], results["zero"]["vs_shuffled_se"]) == (0, 0)
 
 
 def test_shuffled_source_row_is_the_translation_of_another_examples_source(pair):

@@ -70,3 +70,27 @@ def test_a_task_summary_gives_f1_with_its_standard_error_over_examples():
     out = summarize(row, examples, closed=False)
     assert (out["f1"], out["f1_se"]) == pytest.approx((5 / 9, 7**0.5 / 9))
     assert summarize(dict(row, predictions=row["predictions"][:1]), examples[:1], closed=False)["f1_se"] is None
+
+
+def test_a_method_against_its_shuffled_source_is_the_mean_and_standard_error_of_paired_differences():
+    """Per-example F1 (1, 2/3, 0) against its control's (0, 2/3, 0): differences 1, 0, 0, mean 1/3, sample variance
+    1/3, standard error 1/3; the control itself and a method without a control get no difference."""
+    from mot_jax.evals.tasks import add_paired_controls, summarize
+
+    examples = [dict(answers=["Ada Lovelace"]), dict(answers=["Ada Lovelace"]), dict(answers=["Ada"])]
+
+    def row(*answers):
+        return summarize(
+            dict(predictions=[dict(answer=a) for a in answers], timed=[(3, 1.0)], handed=[0]), examples, False
+        )
+
+    results = add_paired_controls(
+        {
+            "MoT": row("Ada Lovelace", "Ada", "Bo"),
+            "MoT, shuffled source": row("Bo", "Ada", "Bo"),
+            "no": row("Bo", "", ""),
+        }
+    )
+    assert [p["f1"] for p in results["MoT"]["predictions"]] == pytest.approx([1, 2 / 3, 0])
+    assert (results["MoT"]["vs_shuffled"], results["MoT"]["vs_shuffled_se"]) == pytest.approx((1 / 3, 1 / 3))
+    assert "vs_shuffled" not in results["MoT, shuffled source"] and "vs_shuffled" not in results["no"]

@@ -171,6 +171,9 @@ class Translated(Method):
         return cache, self.handed(models, read.mask)
 
 
+SHUFFLED = ", shuffled source"  # the name of a method's shuffled-source control: the method's, then this
+
+
 class ShuffledSource(Method):
     """The control beside a translated method: each example's cache translated from another example's source cache.
 
@@ -192,7 +195,7 @@ class ShuffledSource(Method):
     source_stage = "source_prefill"
 
     def __init__(self, method: Translated):
-        self.method, self.name = method, f"{method.name}, shuffled source"
+        self.method, self.name = method, f"{method.name}{SHUFFLED}"
 
     def build(self, models, contexts, capacity, watch):
         if contexts.donors is None:

@@ -10,6 +10,7 @@ import json
 from etils import epath
 
 from mot_jax import outputs
+from mot_jax.evals.methods import SHUFFLED
 
 MIB = 2**20
 
@@ -26,6 +27,13 @@ def _se(scores: dict) -> str:
     return "-" if scores.get("f1_se") is None else f"{scores['f1_se']:.3f}"  # none in results.json written before it
 
 
+def _vs_shuffled(scores: dict) -> str:
+    if scores.get("vs_shuffled") is None:
+        return "-"
+    se = scores.get("vs_shuffled_se")
+    return f"{scores['vs_shuffled']:+.3f}" + ("" if se is None else f" +- {se:.3f}")
+
+
 def task_table(task: str, entry: dict) -> str:
     methods = entry["methods"]
     if task == "multi_agent":
@@ -33,6 +41,7 @@ def task_table(task: str, entry: dict) -> str:
             "method",
             "F1",
             "F1 s.e.",
+            "vs its shuffled source (paired)",
             "retention",
             "context seconds / document",
             "target KV held (MiB)",
@@ -43,6 +52,7 @@ def task_table(task: str, entry: dict) -> str:
                 name,
                 f"{m['f1']:.3f}",
                 _se(m),
+                _vs_shuffled(m),
                 _pct(m["retention"]),
                 _seconds(m["context_seconds"]),
                 f"{m['target_kv_bytes'] / MIB:.2f}",
@@ -74,12 +84,22 @@ def task_table(task: str, entry: dict) -> str:
             for name, m in methods.items()
         ]
         return outputs.markdown_table(header, rows)
-    header = ["method", "F1", "F1 s.e.", "EM", "retention", "bytes handed over", "examples/s"]
+    header = [
+        "method",
+        "F1",
+        "F1 s.e.",
+        "vs its shuffled source (paired)",
+        "EM",
+        "retention",
+        "bytes handed over",
+        "examples/s",
+    ]
     rows = [
         [
             name,
             f"{m['f1']:.3f}",
             _se(m),
+            _vs_shuffled(m),
             f"{m['exact_match']:.3f}",
             _pct(m["retention"]),
             f"{m['handed_bytes']:,.0f}",
@@ -251,7 +271,7 @@ def quality_vs_ttft(results: dict, folder: epath.Path, plt) -> list[str]:
             continue
         fig, ax = plt.subplots(figsize=(6, 4))
         for name, m in methods.items():
-            base, shuffled = name.removesuffix(", shuffled source"), name.endswith(", shuffled source")
+            base, shuffled = name.removesuffix(SHUFFLED), name.endswith(SHUFFLED)
             if base not in timed:
                 continue
             x, y = timed[base]["ttft_s"] / scale, m["f1"]

@@ -28,7 +28,7 @@ from mot_jax.evals.kvcomm import KVComm
 from mot_jax.evals.latency import latency, ttft_setup
 from mot_jax.evals.methods import BASELINES, Native, NoContext, ShuffledSource, TextRelay, Translated, method_name
 from mot_jax.evals.prompts import CHAT_SETTINGS, Settings, is_closed, target_chat
-from mot_jax.evals.tasks import add_retention, evaluate_agents, evaluate_examples
+from mot_jax.evals.tasks import add_paired_controls, add_retention, evaluate_agents, evaluate_examples
 from mot_jax.paths import as_path
 from mot_jax.progress import Progress
 from mot_jax.training.setup import load_pair
@@ -174,13 +174,15 @@ def evaluate(workdir, config: ml_collections.ConfigDict, compare=(), out=None) -
                 run = dataclasses.replace(settings, budget=budget)
                 watch = Progress(f"{task} at {budget} tokens", "example")
                 scores = evaluate_examples(models, methods, items, run, watch)
-                by_budget[str(budget)] = add_retention(scores, "f1")
+                by_budget[str(budget)] = add_paired_controls(add_retention(scores, "f1"))
             results["tasks"][task] = dict(examples=len(items), budgets=by_budget)
         else:
             items = examples(task)
             scores = evaluate_examples(models, methods, items, settings, watch)
             if is_closed(items):
                 add_retention(scores, "likelihood_accuracy", "likelihood_retention")
+            else:
+                add_paired_controls(scores)
             metric = "accuracy" if is_closed(items) else "f1"
             results["tasks"][task] = dict(examples=len(items), methods=add_retention(scores, metric))
     if lengths:

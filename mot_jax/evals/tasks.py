@@ -10,7 +10,7 @@ import numpy as np
 from mot_jax.evals import metrics
 from mot_jax.evals.kvcomm import KVComm
 from mot_jax.evals.latency import timed
-from mot_jax.evals.methods import ShuffledSource, Stopwatch, TextRelay, Translated, held_bytes, wants_donors
+from mot_jax.evals.methods import SHUFFLED, ShuffledSource, Stopwatch, TextRelay, Translated, held_bytes, wants_donors
 from mot_jax.evals.prompts import (
     SUFFIX_BUCKET,
     Settings,
@@ -118,6 +118,8 @@ def summarize(row, examples, closed: bool) -> dict:
         )
     else:
         f1 = [metrics.f1(p["answer"], e["answers"]) for p, e in zip(predictions, examples)]
+        for prediction, score in zip(predictions, f1):
+            prediction["f1"] = score
         out = dict(
             f1=float(np.mean(f1)),
             f1_se=standard_error(f1),
@@ -130,6 +132,18 @@ def summarize(row, examples, closed: bool) -> dict:
     out["handed_bytes"] = float(np.mean(row["handed"]))
     out["predictions"] = predictions
     return out
+
+
+def add_paired_controls(results: dict) -> dict:
+    """Each translated method's F1 minus its shuffled-source control's over the same examples (`vs_shuffled`) and
+    that difference's standard error (`vs_shuffled_se`): what the cache carries of *this* example's context beyond
+    what any source cache gives, with the noise the two rows share taken out."""
+    for name, scores in results.items():
+        control = results.get(f"{name}{SHUFFLED}")
+        if control:
+            diffs = [p["f1"] - q["f1"] for p, q in zip(scores["predictions"], control["predictions"], strict=True)]
+            scores["vs_shuffled"], scores["vs_shuffled_se"] = float(np.mean(diffs)), standard_error(diffs)
+    return results
 
 
 def add_retention(results: dict, metric: str, key: str = "retention") -> dict:
@@ -171,7 +185,8 @@ def evaluate_agents(models, methods, documents, settings: Settings, progress=Non
                 texts = decode_answers(models.target_tokenizer, out, eos)
                 for b, (text, doc) in enumerate(zip(texts, docs)):
                     answer_text = metrics.first_line(text)
-                    scores[method.name].append(metrics.f1(answer_text, doc["answers"][k]))
+                    score = metrics.f1(answer_text, doc["answers"][k])
+                    scores[method.name].append(score)
                     predictions[method.name].append(
                         dict(
                             index=index * settings.batch_size + b,
@@ -180,6 +195,7 @@ def evaluate_agents(models, methods, documents, settings: Settings, progress=Non
                             gold=doc["answers"][k],
                             generation=text,
                             answer=answer_text,
+                            f1=score,
                         )
                     )
         if progress:
@@ -206,4 +222,4 @@ def evaluate_agents(models, methods, documents, settings: Settings, progress=Non
             shares_one_cache=shared,
             predictions=sorted(predictions[method.name], key=lambda p: (p["index"], p["agent"])),
         )
-    return add_retention(results, "f1")
+    return add_paired_controls(add_retention(results, "f1"))
