@@ -29,10 +29,10 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="mot_jax_tests_xla_")
     atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-# No size limit: with one, every write rescans the whole folder to evict (quadratic in the programs of a session) while
-# holding a lock the other test processes wait on; the folder is the session's own. Without the lock, an entry read
-# while another process writes it fails zlib's checksum, and JAX warns and compiles it again.
-os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", "-1")
+# No size limit (JAX's default, so no JAX_COMPILATION_CACHE_MAX_SIZE): with one, every write rescans the whole folder to
+# evict (quadratic in the programs of a session) while holding a lock the other test processes wait on; the folder is
+# the session's own. Without the lock, an entry read while another process writes it fails to decompress (a truncated
+# stream), and JAX warns and compiles it again.
 
 import jax  # noqa: E402
 
