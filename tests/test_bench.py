@@ -165,3 +165,17 @@ def test_ttft_tables_ratios_to_each_targets_native():
     assert every.header[2:5] == ["128: TTFT (ms)", "128: / native", "128: incl. source / native"]
     assert every.rows[1] == ["MoT direct", "s -> t", "100", "0.50", "1.50", "2000", "0.50", "1.25"]
     assert ratios["KVComm (2 of 4 layers)", "s"] == [0.25, 0.125]
+
+
+def test_ttft_only_times_native_and_the_methods_it_names():
+    import dataclasses
+
+    from mot_jax.errors import MotJaxError
+
+    plan = dataclasses.replace(common.QUICK, only=("linear",))
+    (group,), _ = ttft.groups(plan)  # no KVComm group: "linear" does not name it
+    assert [m.name for m in group.methods] == ["native", "linear translator (direct), B=2"]
+    (main, *kvcomm), _ = ttft.groups(dataclasses.replace(plan, only=("KVComm", "relay")))
+    assert [m.name for m in main.methods] == ["native", "text_relay"] and kvcomm
+    with pytest.raises(MotJaxError, match="--only linaer names no method"):
+        ttft.groups(dataclasses.replace(plan, only=("linaer",)))

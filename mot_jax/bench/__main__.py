@@ -8,6 +8,7 @@
   python -m mot_jax.bench ttft                  # every method's time to first token, side by side (evals.latency):
                                                 # native, text relay, each translator kind, KVComm (homogeneous)
   python -m mot_jax.bench ttft --workdirs=DIR   # ... of trained translators (training workdirs) instead of untrained
+  python -m mot_jax.bench ttft --only=linear    # ... of native and the methods whose names hold "linear" (the dial)
   python -m mot_jax.bench train                 # the training step of configs/smollm2_gemma3.py (replay and direct)
   python -m mot_jax.bench features              # K/V-space training steps: frozen forwards live vs the feature cache
   python -m mot_jax.bench --quick --out=/tmp/bench/BENCHMARKS.md   # every part on tiny random models
@@ -92,6 +93,8 @@ def define_flags():
     flags.DEFINE_list("lengths", ["128", "512", "2048"], "Prompt lengths of --pair and context lengths of ttft.")
     flags.DEFINE_integer("decode_tokens", 32, "models: greedy tokens decoded by --pair (0: skip).")
     flags.DEFINE_list("workdirs", [], "ttft: training workdirs (one model pair) to time instead of untrained ones.")
+    only = "ttft: time only native and the methods whose names hold one of these strings (repeatable)."
+    flags.DEFINE_multi_string("only", [], only)
     flags.DEFINE_string("out", None, f"Page to write (default {PAGE} when every part runs; the plot goes beside it).")
     flags.DEFINE_bool(
         "quick", False, "Every size tiny (random models, one run): checks the page builds (1-1.5 minutes)."
@@ -103,7 +106,7 @@ def make_plan(fail) -> Plan:
 
     f = flags.FLAGS
     if f.quick:
-        return dataclasses.replace(QUICK, workdirs=tuple(f.workdirs))
+        return dataclasses.replace(QUICK, workdirs=tuple(f.workdirs), only=tuple(f.only))
     try:
         ints = lambda values: tuple(int(v) for v in values)
         batches, lengths = ints(f.batches), ints(f.lengths)
@@ -127,6 +130,7 @@ def make_plan(fail) -> Plan:
         align=dict(target="gemma3-270m", source="smollm2-135m", length=2048, batches=(1, 8)),
         config_arg="",
         workdirs=tuple(f.workdirs),
+        only=tuple(f.only),
     )
 
 

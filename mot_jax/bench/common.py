@@ -34,6 +34,7 @@ class Plan:
     align: dict  # target and source tokenizers, text length, batches
     config_arg: str  # prefix of the EXPERIMENT config argument ("tiny," for tiny random models)
     workdirs: tuple = ()
+    only: tuple = ()  # ttft: the methods whose names hold one of these (and native); empty: every method
     quick: bool = False
 
 

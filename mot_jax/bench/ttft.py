@@ -14,7 +14,10 @@ TRANSLATORS = (
     ("replay", {}),  # MoT replay, sparse attention
     ("replay", dict(sparse_attention=False)),  # MoT replay, dense attention
     ("direct", {}),  # MoT direct
-    ("direct,skip", dict(kind="linear", native_bottom=8, inputs="source,embeddings,hidden")),  # the dial, B=8
+    # the dial between direct and native at several B (the target's own bottom layers; the source-free control
+    # costs the same less the source's share of a linear map)
+    ("direct,skip", dict(kind="linear", native_bottom=0, inputs="source,embeddings")),
+    *(("direct,skip", dict(kind="linear", native_bottom=b, inputs="source,embeddings,hidden")) for b in (4, 8, 12)),
     ("single", {}),  # single translator
     ("projector", {}),  # C2C-Project
     ("c2c", {}),  # C2C: its translation includes the target's own prefill of the context
@@ -39,24 +42,27 @@ def untrained(plan: Plan, pair=None) -> tuple:
     from flax import nnx
 
     from mot_jax.evals.methods import Translated, method_name
-    from mot_jax.evals.run import attention_name
     from mot_jax.training import setup
     from mot_jax.training.channel_search import resolve_channels
     from mot_jax.translate.translator import KVTranslator
 
     methods = []
     for arg, overrides in TRANSLATORS:
-        if plan.quick and "native_bottom" in overrides:  # the tiny target has 4 layers
+        if plan.quick and overrides.get("native_bottom", 8) != 8:  # the tiny target has 4 layers: one dial point
+            continue
+        if plan.quick and "native_bottom" in overrides:
             overrides = dict(overrides, native_bottom=2)
         config = load_experiment(plan.config_arg + arg)
         config.translator.update(overrides)
+        name = method_name(config)
+        if "sparse_attention" in overrides:
+            name = f"{name}, {'sparse' if overrides['sparse_attention'] else 'dense'} attention"
+        if not wanted(plan, name):
+            continue
         pair = pair or setup.load_pair(config)
         channel_map = resolve_channels(config, pair)  # terminal: no search, no data
         spec, tcfg = setup.translation(config, channel_map, pair)
         translator = KVTranslator(spec, tcfg, rngs=nnx.Rngs(config.seed))
-        name = method_name(config)
-        if "sparse_attention" in overrides:
-            name = f"{name}, {attention_name(spec)}"
         params = sum(x.size for x in jax.tree.leaves(nnx.state(translator, nnx.Param)))
         setting = "".join(f", {k}={v}" for k, v in overrides.items())
         what = (
@@ -64,7 +70,12 @@ def untrained(plan: Plan, pair=None) -> tuple:
             f"layers, {params / 1e6:.3g}M parameters"
         )
         methods.append((Translated(name, translator, "untrained", 0), what))
-    return pair, methods, (config.source, config.target)
+    return pair or setup.load_pair(config), methods, (config.source, config.target)
+
+
+def wanted(plan: Plan, name: str) -> bool:
+    """Whether --only keeps a method: native always (every ratio is to it), else a name holding one of its strings."""
+    return not plan.only or name == "native" or any(part in name for part in plan.only)
 
 
 def groups(plan: Plan) -> tuple[list[Group], str]:
@@ -94,10 +105,19 @@ def groups(plan: Plan) -> tuple[list[Group], str]:
         )
     relay_tokens = defaults().relay_tokens
     source, target = models.source, models.target
-    found = [Group(models, names, [Native(), TextRelay(relay_tokens), *translated])]
+    timed = [m for m in (Native(), TextRelay(relay_tokens), *translated) if wanted(plan, m.name)]
+    if plan.only and len(timed) == 1 and not wanted(plan, "KVComm"):
+        from mot_jax.errors import MotJaxError
+
+        raise MotJaxError(
+            f"--only {' '.join(plan.only)} names no method; pass part of a method's name (BENCHMARKS.md lists them)."
+        )
+    found = [Group(models, names, timed)]
     # KVComm hands the source's raw K/V to the target: one architecture and depth, so the homogeneous pairs only
     sides = {names[1]: (target, models.target_tokenizer), names[0]: (source, models.source_tokenizer)}
     for name, (model, tokenizer) in sides.items():  # one pair when source and target are the same model
+        if not wanted(plan, "KVComm"):
+            break
         homogeneous = Pair(model, model, tokenizer, tokenizer)
         kvcomm = KVComm(names=(name, name))
         kvcomm.prepare(homogeneous)  # calibrates its layers on the target's attention (the evaluation's default)
@@ -187,6 +207,7 @@ def ttft_tables(rows: list) -> tuple[list[Table], dict]:
 
 def bench_ttft(plan: Plan) -> Section:
     from mot_jax.errors import MotJaxError
+    from mot_jax.evals.config import defaults
     from mot_jax.evals.latency import latency, ttft_setup
     from mot_jax.evals.prompts import Settings
 
@@ -212,19 +233,25 @@ def bench_ttft(plan: Plan) -> Section:
     for r in sorted(rows, key=lambda r: r["context_tokens"]):  # stable: run order within a length
         series.setdefault(label(r), []).append(r["ttft_s"])
     translated = [m for m in main.methods if hasattr(m, "translator")]
-    direct = next((m for m in translated if m.translator.spec.mode == "direct"), None)  # MoT direct, untrained
+    spec = lambda m: m.translator.spec
+    direct = next((m for m in translated if spec(m).mode == "direct" and not spec(m).native_bottom), None)
     if direct:
         with_source = [r for r in rows if r["method"] == direct.name and r["target"] == target]
         series[f"{direct.name} + source prefill"] = [r["ttft_with_source_s"] for r in with_source]
     series = {k: v for k, v in series.items() if len(v) == len(lengths)}  # a pair whose target fits fewer lengths
+    kvcomm = (
+        "; KVComm (no translator: the source's raw K/V at the layers its calibration picks, "
+        "`mot_jax/evals/kvcomm.py`) on the homogeneous pairs it allows, with the native prefill of its own target"
+    )
+    only = f" (`--only {' '.join(plan.only)}`: native and the methods it names)" if plan.only else ""
     intro = (
-        f"{what}; KVComm (no translator: the source's raw K/V at the layers its calibration picks, "
-        "`mot_jax/evals/kvcomm.py`) on the homogeneous pairs it allows, with the native prefill of its own target. "
-        "Batch 1, every method in this one run, measured by `mot_jax.evals.latency.latency` (the evaluation's TTFT, "
+        f"{what}{kvcomm if len(found) > 1 else ''}. "
+        f"Batch 1, every method{only} in this one run, measured by `mot_jax.evals.latency.latency` (the "
+        "evaluation's TTFT, "
         "median of the runs after one that compiles): a synthetic long-context passage cut to each length in target "
         "tokens, then the question suffix and the first answer token. Native: the target prefills the context "
         "itself. Text relay: the source writes a summary of the context (up to "
-        f"{found[0].methods[1].tokens} tokens, greedy), which the target prefills; it has no source cache to reuse, "
+        f"{defaults().relay_tokens} tokens, greedy), which the target prefills; it has no source cache to reuse, "
         "so both columns hold all of it. Translated and KVComm: TTFT is the work from an existing source cache (the "
         "translation, which for replay, the dial's native bottom layers, C2C, MoT-h and Interlat includes the "
         "target's own pass over the context, or KVComm's handover), then the suffix and the first token; the second "
