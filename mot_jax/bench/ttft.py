@@ -42,26 +42,27 @@ def untrained(plan: Plan, pair=None) -> tuple:
     from flax import nnx
 
     from mot_jax.evals.methods import Translated, method_name
+    from mot_jax.evals.run import attention_name
     from mot_jax.training import setup
     from mot_jax.training.channel_search import resolve_channels
     from mot_jax.translate.translator import KVTranslator
 
     methods = []
     for arg, overrides in TRANSLATORS:
-        if plan.quick and overrides.get("native_bottom", 8) != 8:  # the tiny target has 4 layers: one dial point
-            continue
-        if plan.quick and "native_bottom" in overrides:
+        if plan.quick and "native_bottom" in overrides:  # the tiny target has 4 layers: one dial point, B=2
+            if overrides["native_bottom"] != 8:
+                continue
             overrides = dict(overrides, native_bottom=2)
         config = load_experiment(plan.config_arg + arg)
         config.translator.update(overrides)
-        name = method_name(config)
-        if "sparse_attention" in overrides:
-            name = f"{name}, {'sparse' if overrides['sparse_attention'] else 'dense'} attention"
-        if not wanted(plan, name):
-            continue
         pair = pair or setup.load_pair(config)
         channel_map = resolve_channels(config, pair)  # terminal: no search, no data
         spec, tcfg = setup.translation(config, channel_map, pair)
+        name = method_name(config)
+        if "sparse_attention" in overrides:
+            name = f"{name}, {attention_name(spec)}"
+        if not wanted(plan, name):  # before the translator is built (LSC's has 589M parameters)
+            continue
         translator = KVTranslator(spec, tcfg, rngs=nnx.Rngs(config.seed))
         params = sum(x.size for x in jax.tree.leaves(nnx.state(translator, nnx.Param)))
         setting = "".join(f", {k}={v}" for k, v in overrides.items())
@@ -70,7 +71,7 @@ def untrained(plan: Plan, pair=None) -> tuple:
             f"layers, {params / 1e6:.3g}M parameters"
         )
         methods.append((Translated(name, translator, "untrained", 0), what))
-    return pair or setup.load_pair(config), methods, (config.source, config.target)
+    return pair, methods, (config.source, config.target)
 
 
 def wanted(plan: Plan, name: str) -> bool:
@@ -106,7 +107,8 @@ def groups(plan: Plan) -> tuple[list[Group], str]:
     relay_tokens = defaults().relay_tokens
     source, target = models.source, models.target
     timed = [m for m in (Native(), TextRelay(relay_tokens), *translated) if wanted(plan, m.name)]
-    if plan.only and len(timed) == 1 and not wanted(plan, "KVComm"):
+    with_kvcomm = wanted(plan, "KVComm")
+    if len(timed) == 1 and not with_kvcomm:
         from mot_jax.errors import MotJaxError
 
         raise MotJaxError(
@@ -115,9 +117,7 @@ def groups(plan: Plan) -> tuple[list[Group], str]:
     found = [Group(models, names, timed)]
     # KVComm hands the source's raw K/V to the target: one architecture and depth, so the homogeneous pairs only
     sides = {names[1]: (target, models.target_tokenizer), names[0]: (source, models.source_tokenizer)}
-    for name, (model, tokenizer) in sides.items():  # one pair when source and target are the same model
-        if not wanted(plan, "KVComm"):
-            break
+    for name, (model, tokenizer) in sides.items() if with_kvcomm else ():  # one pair when both are the same model
         homogeneous = Pair(model, model, tokenizer, tokenizer)
         kvcomm = KVComm(names=(name, name))
         kvcomm.prepare(homogeneous)  # calibrates its layers on the target's attention (the evaluation's default)
@@ -246,10 +246,9 @@ def bench_ttft(plan: Plan) -> Section:
     only = f" (`--only {' '.join(plan.only)}`: native and the methods it names)" if plan.only else ""
     intro = (
         f"{what}{kvcomm if len(found) > 1 else ''}. "
-        f"Batch 1, every method{only} in this one run, measured by `mot_jax.evals.latency.latency` (the "
-        "evaluation's TTFT, "
-        "median of the runs after one that compiles): a synthetic long-context passage cut to each length in target "
-        "tokens, then the question suffix and the first answer token. Native: the target prefills the context "
+        f"Batch 1, every method{only} in this one run, measured by `mot_jax.evals.latency.latency` (the evaluation's "
+        "TTFT, median of the runs after one that compiles): a synthetic long-context passage cut to each length in "
+        "target tokens, then the question suffix and the first answer token. Native: the target prefills the context "
         "itself. Text relay: the source writes a summary of the context (up to "
         f"{defaults().relay_tokens} tokens, greedy), which the target prefills; it has no source cache to reuse, "
         "so both columns hold all of it. Translated and KVComm: TTFT is the work from an existing source cache (the "
