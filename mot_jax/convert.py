@@ -1,6 +1,7 @@
 """Load a checkpoint into mot_jax and optionally check it against transformers.
 
   python -m mot_jax.convert --model=gemma3-270m --check          # an embedded model (GGUF shipped by pip)
+  python -m mot_jax.convert --check qwen2.5-coder-0.5b           # the model may also be the one argument
   python -m mot_jax.convert --model=/path/to/hf_dir --check      # a Hugging Face directory (or hub id, or .gguf)
 
 --check runs the transformers PyTorch model on the same tokens (for GGUF, transformers' own GGUF loading of the same
@@ -117,7 +118,9 @@ def convert(
 
 def main(argv):
     logging.set_verbosity(logging.WARNING)
-    if len(argv) > 1:
+    if len(argv) == 2 and not FLAGS.model:  # `python -m mot_jax.convert --check NAME`
+        FLAGS.model = argv[1]
+    elif len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
     if not FLAGS.model:
         raise app.UsageError("--model is required (an embedded model name, a .gguf file, an id or a directory).")

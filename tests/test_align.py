@@ -15,9 +15,12 @@ from mot_jax.translate.align import (
     adapter,
     align,
     align_batch,
+    align_by_spans,
+    encode_texts,
     identity_alignment,
     register_pytree,
     resample,
+    same_tokenizer,
     token_spans,
 )
 from mot_jax.translate.align_reference import (
@@ -164,6 +167,25 @@ def test_identity(toks):
     plain = identity_alignment(3, 4)
     assert plain.weights.shape == (3, 4, 4) and (plain.weights == np.eye(4)).all()
     assert (plain.source_to_target == np.arange(4)).all()
+
+
+def test_same_tokenizer_is_detected_by_content_and_equals_the_general_path(toks):
+    """Two separately loaded copies of one tokenizer (as two models of one family have) take the identity, which is
+    what the general span aligner computes for them wherever tokens own their characters (where byte-level BPE splits
+    one character over several tokens, the span aligner can only share it out; the identity stays exact); a
+    tokenizer that differs in one special token is not the same."""
+    first, second = local_bpe(), local_bpe()
+    assert first is not second and same_tokenizer(first, second)
+    assert not same_tokenizer(first, toks["bpe"].__class__.from_str(first.to_str().replace('"<s>"', '"<S>"')))
+    assert not same_tokenizer(first, toks["smol"])
+    ascii_texts = [t for t in TEXTS if t.isascii()] + ["The river Vell runs 42 km, from Oskar's mill to the sea."]
+    ids, mask = encode_texts(first, ascii_texts)
+    identity = align_batch(first, second, ids, mask)
+    general = align_by_spans(first, second, ids, mask)
+    for got, want in zip(identity[:2], general[:2], strict=True):
+        np.testing.assert_array_equal(got, want)
+    for field in ("weights", "target_to_source", "source_to_target"):
+        np.testing.assert_array_equal(getattr(identity[2], field), getattr(general[2], field))
 
 
 def test_transformers_tokenizer_matches_tokenizers(toks):

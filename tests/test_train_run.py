@@ -82,6 +82,7 @@ RUNS = [(n, "tiny") for n in CONFIGS] + [
     ("smollm2_gemma3.py", "single,tiny"),
     ("smollm2_gemma3.py", "direct,projector,tiny"),
     ("smollm2_gemma3.py", "direct,skip,tiny"),
+    ("qwen_coder.py", "reverse,tiny"),
 ]
 
 

