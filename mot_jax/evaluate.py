@@ -2,10 +2,12 @@
 `python -m mot_jax.evaluate --workdir=DIR [--compare=DIR2,DIR3] [--task=T --data=D] [--config.key=value]`.
 
 The translator in DIR (and those in --compare, runs of the same model pair) and the baselines (no context, native
-context, text relay) answer the same examples, with a shuffled-source control beside each translator (its
-translation made from another example's source cache; --config.shuffled_source=false leaves it out); the tables
-are printed and written to DIR/eval (or --out) as results.json, results.md, predictions.jsonl and plots. Keys and
-defaults: mot_jax/evals/config.py.
+context, text relay, the source answering alone) answer the same examples (512 by default), with a shuffled-source
+control beside each translator (its translation made from another example's source cache;
+--config.shuffled_source=false leaves it out); each translator's paired differences against every control, with
+their standard errors, on F1, exact match, native-correct F1 and the gold answer's log-probability. The tables are
+printed and written to DIR/eval (or --out) as results.json, results.md, predictions.jsonl and plots; the results so
+far are kept in DIR/eval.partial while it runs. Keys and defaults: mot_jax/evals/config.py.
 
 The KVComm baseline (the source's raw K/V at calibrated layers, no translator; one model family and depth) is
 `--config.methods=native,kvcomm`; `--config.pair=SOURCE,TARGET` evaluates the baselines alone on a named pair, e.g.

@@ -13,7 +13,7 @@ from mot_jax.errors import MotJaxError
 from mot_jax.evals import datasets
 from mot_jax.evals.datasets import ADAPTERS, TASKS, adapt, load_examples
 from mot_jax.evals.jsonl import read_jsonl
-from mot_jax.evals.synthetic import examples
+from mot_jax.evals.synthetic import HELD_OUT, examples
 
 FIXTURES = Path(__file__).parent / "fixtures" / "evals"
 PASSAGE = re.compile(
@@ -334,17 +334,47 @@ def test_hub_rows_are_converted_like_local_ones(monkeypatch):
 # ------------------------------------------------------------------------------------------------ disjointness
 
 
+def held_out_names(seed: int = 0) -> set[str]:
+    """Every invented person of the held-out split of every task (what the evaluation reads)."""
+    return {name for task in TASKS for e in examples(task, HELD_OUT, seed=seed) for name in _facts(e["context"])}
+
+
 @pytest.mark.slow
 def test_synthetic_names_do_not_occur_in_the_training_corpus():
-    """The invented people are unknown to a model trained on our corpus: none of their names is in its text."""
+    """The invented people of the whole held-out split are unknown to a model trained on our corpus: none of their
+    names is in the text training builds its rows from."""
     from mot_jax.training.corpus import documents
 
-    names = set()
-    for task in TASKS:
-        for e in examples(task, 100, seed=0):
-            names |= set(_facts(e["context"]))
-    assert len(names) > 1000
+    names = held_out_names()
+    assert len(names) > 10_000
     pairs = re.compile(r"(?=\b([A-Z][a-z]+ [A-Z][a-z]+)\b)")  # every pair of capitalised words, overlaps included
     for split in documents("docs_prose").values():
         for text in split:
             assert not names & set(pairs.findall(text)), names & set(pairs.findall(text))
+
+
+def test_the_held_out_split_is_read_by_the_evaluation_alone():
+    """No training module (the trainer, its data, features, corpus and entry point) loads the synthetic generator,
+    so no training rule can read the split; the one other generated text, the TTFT passage, lies past the split and
+    names none of its people."""
+    import subprocess
+
+    modules = "mot_jax.train, mot_jax.training.trainer, mot_jax.training.data, mot_jax.training.features"
+    check = f"import sys, {modules}; print(sorted(m for m in sys.modules if m.startswith('mot_jax.evals')))"
+    loaded = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, check=True).stdout
+    assert "mot_jax.evals.synthetic" not in loaded and "mot_jax.evals.datasets" not in loaded, loaded
+    from mot_jax.evals import latency
+
+    models = types.SimpleNamespace(target=types.SimpleNamespace(config=types.SimpleNamespace(max_positions=4096)))
+    passage = latency.ttft_setup(models, [2048], 32, seed=0).example
+    assert passage == examples("long_context", 1, seed=0, distractors=2048 // 16 + 4, start=HELD_OUT)[0]
+    assert not set(_facts(passage["context"])) & held_out_names()
+
+
+def test_synthetic_sets_hold_the_held_out_split_and_refuse_more(tmp_path):
+    assert HELD_OUT >= 1000
+    stored = load_examples("extractive_qa", n=HELD_OUT, data_dir=str(tmp_path))
+    assert stored == examples("extractive_qa", HELD_OUT) and len({e["context"] for e in stored}) == HELD_OUT
+    assert load_examples("extractive_qa", n=5, data_dir=str(tmp_path)) == stored[:5]  # the same stored set
+    with pytest.raises(MotJaxError, match=f"holds {HELD_OUT} held-out examples, not {HELD_OUT + 1}; pass"):
+        load_examples("extractive_qa", n=HELD_OUT + 1, data_dir=str(tmp_path))

@@ -20,7 +20,7 @@ from flax import nnx
 from mot_jax.errors import MotJaxError
 from mot_jax.evals import datasets, metrics, report, run, synthetic
 from mot_jax.evals.config import defaults
-from mot_jax.evals.methods import Native, ShuffledSource, Stopwatch, Translated, method_name, regrid
+from mot_jax.evals.methods import Native, ShuffledSource, SourceAlone, Stopwatch, Translated, method_name, regrid
 from mot_jax.evals.prompts import (
     CHAT_TURNS,
     INSTRUCTIONS,
@@ -104,6 +104,30 @@ def test_native_answers_equal_the_target_reading_the_whole_prompt(pair, chat):
                 assert prediction["likelihood_choice"] == example["choices"][int(np.argmax(means))]
 
 
+def test_gold_log_probability_and_the_source_alone_equal_full_forwards(pair):
+    """The gold answer's mean log-probability per token after the native cache equals a full forward's over prefix +
+    suffix + " answer"; the source alone (the pair swapped) answers as the source generating from its own prompt in
+    one sequence, and its log-probability is the source's full forward's."""
+    examples = synthetic.examples("extractive_qa", 3, seed=1)
+    results = evaluate_examples(pair, [Native(), SourceAlone()], examples, SETTINGS)
+    readers = (("native", pair.target, pair.target_tokenizer), ("source alone", pair.source, pair.source_tokenizer))
+    for name, model, tokenizer in readers:
+        for example, prediction in zip(examples, results[name]["predictions"], strict=True):
+            prefix = token_ids(tokenizer, [prefix_text(example, False)], True)[0]
+            suffix = token_ids(tokenizer, [suffix_text(example)], False)[0]
+            prefix = prefix[: model.config.max_positions - len(suffix) - SETTINGS.max_new_tokens]
+            answer = token_ids(tokenizer, [" " + example["answers"][0]], False)[0]
+            logp = np.asarray(log_probs(model, jnp.asarray([prefix + suffix + answer], jnp.int32)))
+            start = len(prefix) + len(suffix)
+            expected = np.mean([logp[start - 1 + j, t] for j, t in enumerate(answer)])
+            assert prediction["logprob"] == pytest.approx(expected, abs=1e-4), name
+            out = generate(model, jnp.asarray([prefix + suffix], jnp.int32), max_new_tokens=SETTINGS.max_new_tokens)
+            assert prediction["generation"] == decode_answers(tokenizer, out, model.config.eos_ids)[0], name
+    assert results["native"]["logprob"] == pytest.approx(
+        np.mean([p["logprob"] for p in results["native"]["predictions"]])
+    )
+
+
 class Same(nnx.Module):
     """An identity translator mixture: the K or V it reads is the K or V it writes."""
 
@@ -123,7 +147,11 @@ def test_direct_identity_translation_reproduces_native_scores_exactly():
     methods = [Native(), Translated("identity", translator, "-", 0)]
     for task in ("extractive_qa", "closed_qa"):
         results = evaluate_examples(pair, methods, synthetic.examples(task, 4, seed=3), SETTINGS)
-        assert results["identity"]["predictions"] == results["native"]["predictions"]
+        # the log-probability to float rounding: the identity's cache is computed by other operations
+        got, native = ([dict(p, logprob=None) for p in results[m.name]["predictions"]] for m in methods)
+        assert got == native
+        for a, b in zip(results["identity"]["predictions"], results["native"]["predictions"]):
+            assert a.get("logprob", 0) == pytest.approx(b.get("logprob", 0), abs=1e-5)
         metric = "accuracy" if task == "closed_qa" else "f1"
         assert results["identity"][metric] == results["native"][metric]
 
@@ -170,7 +198,7 @@ def test_report_files_are_written_and_parse(trained_workdir, tmp_path):
     results = run.evaluate(trained_workdir, small_config(), out=out)
     saved = json.loads((out / "results.json").read_text())
     assert set(saved["tasks"]) == {"extractive_qa", "closed_qa", "long_context", "multi_agent"}
-    names = ["no_context", "native", "text_relay", "MoT replay", "MoT replay, shuffled source"]
+    names = ["no_context", "native", "text_relay", "source alone", "MoT replay", "MoT replay, shuffled source"]
     assert list(saved["tasks"]["extractive_qa"]["methods"]) == names
     assert saved["tasks"]["closed_qa"]["methods"]["native"]["retention"] in (None, 100.0)
     assert list(saved["tasks"]["long_context"]["budgets"]) == ["48", "96"]
@@ -179,19 +207,51 @@ def test_report_files_are_written_and_parse(trained_workdir, tmp_path):
     assert "predictions" not in saved["tasks"]["extractive_qa"]["methods"]["native"]
     assert results["tasks"]["extractive_qa"]["methods"]["native"]["predictions"]  # they go to predictions.jsonl
     rows = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
-    # 2 examples: two tasks and long_context at two budgets; 2 documents with 2 agents each
-    assert len(rows) == len(names) * (2 * (2 + 2) + 2 * 2)
+    # 2 examples: two tasks and long_context at two budgets; 2 documents with 2 agents each (no source alone there)
+    assert len(rows) == len(names) * 2 * (2 + 2) + (len(names) - 1) * 2 * 2
     markdown = (out / "results.md").read_text()
     assert markdown == report.markdown(saved) and "| MoT replay |" in markdown
     assert saved["meta"]["chat_template"] is False and "; plain prompts;" in markdown  # tiny random: no chat format
     # the shuffled-source control: a row on every task, none in the TTFT table (its cost is its method's)
     assert "| MoT replay, shuffled source |" in markdown
-    assert list(saved["tasks"]["multi_agent"]["methods"]) == names
+    assert list(saved["tasks"]["multi_agent"]["methods"]) == [n for n in names if n != "source alone"]
     assert saved["tasks"]["multi_agent"]["methods"][names[-1]]["context_seconds"] is None
     timed = {r["method"] for r in saved["latency"]}
-    assert "MoT replay" in timed and names[-1] not in timed
+    assert {"MoT replay", "source alone"} <= timed and names[-1] not in timed
+    # the paired differences of the translated row against every control, on every open-answer task and budget
+    controls = ["no_context", "native", "source alone", "MoT replay, shuffled source"]
+    for methods in (saved["tasks"]["extractive_qa"]["methods"], *saved["tasks"]["long_context"]["budgets"].values()):
+        assert list(methods["MoT replay"]["paired"]) == controls
+        assert set(methods["MoT replay"]["paired"]["native"]) >= {"f1", "exact_match", "logprob"}
+    assert "| MoT replay | source alone |" in markdown and not (out.parent / "report.partial").exists()
     for plot in ("quality_vs_budget.png", "ttft_vs_length.png", "routing_load.png"):
         assert (out / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_failed_final_write_keeps_the_results_so_far_and_says_where(trained_workdir, tmp_path, monkeypatch):
+    """Issue 38: a full disk at the end lost every result in a traceback. The rows are written as they are computed
+    (OUT.partial: each batch's predictions, each finished task's scores), a failed report names them in one
+    sentence, and a written report removes them."""
+    config = small_config(tasks="extractive_qa", examples=4, ttft_lengths="", methods="no_context,native")
+    out = tmp_path / "eval"
+    real = run.report.write
+
+    def full(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(run.report, "write", full)
+    with pytest.raises(MotJaxError, match=rf"No space left on device.*results so far are in {re.escape(str(out))}"):
+        run.evaluate(trained_workdir, config, out=out)
+    partial = tmp_path / "eval.partial"
+    rows = [json.loads(line) for line in (partial / "predictions.jsonl").read_text().splitlines()]
+    names = ["no_context", "native", "source alone", "MoT replay", "MoT replay, shuffled source"]
+    assert sorted((r["method"], r["index"]) for r in rows) == sorted((m, i) for m in names for i in range(4))
+    saved = json.loads((partial / "results.json").read_text())
+    assert list(saved["tasks"]["extractive_qa"]["methods"]) == names
+    assert not out.exists()
+    monkeypatch.setattr(run.report, "write", real)
+    run.evaluate(trained_workdir, config, out=out)
+    assert (out / "results.json").exists() and not partial.exists()
 
 
 def evaluate_cli(*flags):
@@ -355,7 +415,8 @@ def test_shuffled_source_equals_the_translation_when_the_translator_ignores_the_
         np.testing.assert_array_equal(getattr(shuffled, field), getattr(normal, field))
     results = add_paired_controls(evaluate_examples(pair, [method, ShuffledSource(method)], examples, SETTINGS))
     assert results["zero, shuffled source"]["predictions"] == results["zero"]["predictions"]
-    assert (results["zero"]["vs_shuffled"], results["zero"]["vs_shuffled_se"]) == (0, 0)
+    against = results["zero"]["paired"]["zero, shuffled source"]
+    assert [(against[m]["diff"], against[m]["se"]) for m in ("f1", "exact_match", "logprob")] == [(0, 0)] * 3
 
 
 def test_shuffled_source_row_is_the_translation_of_another_examples_source(pair):

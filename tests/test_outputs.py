@@ -227,8 +227,23 @@ def test_markdown_tables_put_names_left_and_numbers_right():
     table = outputs.markdown_table(("model", "dtype", "ms"), [("gpt2", "bf16", 1.5)], left=2)
     assert table == "| model | dtype | ms |\n| --- | --- | ---: |\n| gpt2 | bf16 | 1.5 |"
     extractive = [
-        "| method | F1 | F1 s.e. | vs its shuffled source (paired) | EM | retention | bytes handed over | examples/s |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-        "| native | 0.000 | - | - | 0.000 | - | 10 | 1.00 |",
+        "| method | F1 | F1 s.e. | EM | native-correct F1 | gold log-prob | log-prob s.e. | retention "
+        "| bytes handed over | examples/s |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| native | 0.000 | - | 0.000 | - | - | - | - | 10 | 1.00 |",
     ]
     assert "\n".join(extractive) in report.markdown(report.split_predictions(results())[0])
+
+
+def test_paired_differences_are_a_table_with_their_standard_error_and_verdict():
+    data = report.split_predictions(results())[0]
+    methods = data["tasks"]["extractive_qa"]["methods"]
+    methods["MoT replay"]["paired"] = {
+        "native": dict(f1=dict(diff=-0.25, se=0.05, examples=4, verdict="below"), logprob=None),
+        "no_context": dict(f1=dict(diff=0.05, se=None, examples=1, verdict="one example")),
+    }
+    table = report.paired_table(methods)
+    assert "| method | minus | F1 | EM | native-correct F1 | gold log-prob |" in table
+    assert "| MoT replay | native | -0.250 +- 0.050 below | - | - | - |" in table
+    assert "| MoT replay | no_context | +0.050 one example | - | - | - |" in table
+    assert table in report.markdown(data) and report.paired_table({"native": methods["native"]}) == ""

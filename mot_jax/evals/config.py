@@ -11,7 +11,7 @@ def defaults() -> ml_collections.ConfigDict:
     c.tasks = "extractive_qa,closed_qa,long_context,multi_agent"  # what --task does not override
     c.data = ""  # "" = the offline synthetic sets; FILE.jsonl, NAME or NAME:PATH with one task (see evals/datasets)
     c.data_dir = ""  # where the synthetic sets are stored; "" = the mot_jax cache
-    c.examples = 64  # per task (per budget for long_context)
+    c.examples = 512  # per task (per budget for long_context); the synthetic sets hold 1,024 (synthetic.HELD_OUT)
     c.seed = 0  # of the synthetic sets (invented entities: disjoint from any training text)
     c.batch_size = 4
     c.max_new_tokens = 32  # greedy; answers are cut at the first line break or prompt marker
@@ -28,6 +28,7 @@ def defaults() -> ml_collections.ConfigDict:
     c.memory = True  # XLA's memory plan per method at the longest TTFT length (compiles each program again)
     c.which = "last"  # the checkpoint evaluated: last | best (validation loss) | a step number
     c.shuffled_source = True  # a control row beside each translated method: translated from another example's source
+    c.source_alone = True  # with a translator, a row of the source reading the context and answering itself
     c.replay_attention = "trained"  # replay translators, once per entry: trained | dense | K (top-K keys per query)
     c.dtype = ""  # LLM dtype; "" = the training run's
     return c

@@ -1,9 +1,9 @@
 """Evaluation examples for a task: the offline synthetic sets, a user JSONL file, or a paper dataset converted to
 our schemas (see jsonl.py), all through `load_examples`.
 
-- data "" (the default): the synthetic set of the task (synthetic.py), written once as a TFDS array_record
-  dataset under `data_dir` and read back by random access without TensorFlow, so every run of a config scores
-  the very same stored examples.
+- data "" (the default): the synthetic set of the task (synthetic.py), its held-out split of `synthetic.HELD_OUT`
+  examples written once as a TFDS array_record dataset under `data_dir` and read back by random access without
+  TensorFlow (the first n), so every run of a config scores the very same stored examples.
 - data "PATH.jsonl": a user file, validated line by line (jsonl.read_jsonl).
 - data "NAME" or "NAME:PATH": a dataset of the paper (ADAPTERS) converted from its native rows; "NAME" loads the
   Hugging Face hub split the reference evaluated (`datasets` package, network), "NAME:PATH" reads a local copy
@@ -69,15 +69,21 @@ YES_NO_MAYBE = "Answer yes, no, or maybe."
 def synthetic_set(
     task: str, n: int, seed: int = 0, data_dir="", distractors: int | None = None, questions_per_example: int = 3
 ) -> list[dict]:
-    """synthetic.examples(...) stored as a TFDS array_record dataset (one config per task, size, seed and options,
-    named with a hash of synthetic.py so a changed generator gets a new set) and read back from it."""
+    """The first `n` examples of the held-out split (synthetic.HELD_OUT examples of synthetic.examples(...)), stored
+    as a TFDS array_record dataset (one config per task, seed and options, named with a hash of synthetic.py so a
+    changed generator gets a new set) and read back from it."""
+    if n > synthetic.HELD_OUT:
+        raise MotJaxError(
+            f"The synthetic {task} set holds {synthetic.HELD_OUT} held-out examples, not {n}; pass "
+            f"--config.examples={synthetic.HELD_OUT} or fewer (or another --config.seed for another set)."
+        )
     distractors = synthetic.DISTRACTORS[task] if distractors is None else distractors
     questions = f"_q{questions_per_example}" if task == "multi_agent" else ""
     code = hashlib.sha256(Path(synthetic.__file__).read_bytes()).hexdigest()[:12]
-    config = f"{task}_n{n}_seed{seed}_d{distractors}{questions}_{code}"
+    config = f"{task}_heldout{synthetic.HELD_OUT}_seed{seed}_d{distractors}{questions}_{code}"
     synthetic.examples(task, 0, seed, distractors, questions_per_example)  # checks the options before any write
     data_dir = Path(data_dir or cache_root() / "tfds").expanduser()
-    make = lambda: synthetic.examples(task, n, seed, distractors, questions_per_example)
+    make = lambda: synthetic.examples(task, synthetic.HELD_OUT, seed, distractors, questions_per_example)
 
     def build(builder):
         print(f"Preparing the synthetic {task} set into {builder.data_dir} (once)", file=sys.stderr)
@@ -89,7 +95,7 @@ def synthetic_set(
     builder = prepared(lambda: one_split_builder("mot_eval", "test", "json", config, data_dir), build)
     with quiet_tfds():
         source = builder.as_data_source(split="test")  # what tfds.data_source returns, without a registered name
-    return [json.loads(record["json"]) for record in source.__getitems__(range(len(source)))]
+    return [json.loads(record["json"]) for record in source.__getitems__(range(n))]
 
 
 # ------------------------------------------------------------------------------------------ paper datasets

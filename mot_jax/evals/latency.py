@@ -28,7 +28,8 @@ def ttft_setup(models, lengths, max_new_tokens: int, seed: int) -> TTFTSetup:
     limit = models.target.config.max_positions - SUFFIX_ROOM - max_new_tokens
     fitting = sorted(n for n in lengths if n <= limit)
     passages = max(fitting, default=0) // 16 + 4
-    example = synthetic.examples("long_context", 1, seed, distractors=passages)[0]
+    # past the held-out split: the evaluation's examples are read by the evaluation only
+    example = synthetic.examples("long_context", 1, seed, distractors=passages, start=synthetic.HELD_OUT)[0]
     return TTFTSetup(fitting, limit, example)
 
 
@@ -78,15 +79,16 @@ def latency(models, methods, example: dict, lengths, settings: Settings, runs: i
     memory plan. The context is `example`'s, truncated to each length in target tokens."""
     rows = []
     for i, length in enumerate(sorted(lengths)):
-        single = dataclasses.replace(settings, batch_size=1, budget=length)
-        contexts, suffix_ids, suffix_mask = next(batches(models, [example], single))
-        keep = int(contexts.mask.sum())
-        contexts.ids, contexts.mask = contexts.ids[:, :keep], contexts.mask[:, :keep]  # exact length, no bucket
         for method in methods:
             if method.name == "no_context" or isinstance(method, ShuffledSource):  # its TTFT is its method's
                 continue
-            stages = timed(models, method, contexts, suffix_ids, suffix_mask, settings, runs)
-            cache, handed = method.build(models, contexts, capacity_for(contexts, suffix_ids, 1), Stopwatch())
+            # the source alone reads its own tokens: the same text cut to `length` of them
+            reader, single = method.reader(models, dataclasses.replace(settings, batch_size=1, budget=length))
+            contexts, suffix_ids, suffix_mask = next(batches(reader, [example], single))
+            keep = int(contexts.mask.sum())
+            contexts.ids, contexts.mask = contexts.ids[:, :keep], contexts.mask[:, :keep]  # exact length, no bucket
+            stages = timed(reader, method, contexts, suffix_ids, suffix_mask, settings, runs)
+            cache, handed = method.build(reader, contexts, capacity_for(contexts, suffix_ids, 1), Stopwatch())
             own = stages.get(method.source_stage, 0.0) if method.source_stage else 0.0
             last = i == len(lengths) - 1
             rows.append(
@@ -97,8 +99,8 @@ def latency(models, methods, example: dict, lengths, settings: Settings, runs: i
                     ttft_with_source_s=sum(stages.values()),
                     stages=stages,
                     handed_bytes=int(handed[0]),
-                    target_kv_bytes=held_bytes(models.target, cache),
-                    planned_bytes=planned_bytes(models, method, contexts, suffix_ids, suffix_mask, settings)
+                    target_kv_bytes=held_bytes(reader.target, cache),
+                    planned_bytes=planned_bytes(reader, method, contexts, suffix_ids, suffix_mask, settings)
                     if memory and last
                     else None,
                 )

@@ -6,6 +6,9 @@ Methods (all on the same examples, in one run):
 - `text_relay`: the source writes a summary of the passage, the target reads the summary (a raw-text relay is the
   `native` row: the target re-prefills the same text);
 - `kvcomm`: the source's raw K/V at calibrated layers, no translator (`mot_jax.evals.kvcomm`; one family and depth);
+- `source alone` (beside every translated method, `SourceAlone`): the source reads the passage and answers itself,
+  with its own prompts and TTFT; a translated cache is worth its cost only where the target answering from it beats
+  this row;
 - translated (one per training workdir): the source reads the passage and the translator builds the target cache;
 - `<translated>, shuffled source` (a control beside each translated method, `ShuffledSource`): the same translator
   builds this example's cache from another example's source cache, so the translation carries none of this
@@ -75,6 +78,11 @@ class Method:
 
     name: str
     source_stage: str | None = None  # the stage that is the source's own prefill (excluded from TTFT)
+    swaps = False  # answers with the source model (`reader`), not the target
+
+    def reader(self, models, settings):
+        """(models, settings) this method answers with: `models.target` reads its cache and answers."""
+        return models, settings
 
     def prepare(self, models) -> None:
         """Once, after the models load and before any example (kvcomm checks the pair and calibrates here)."""
@@ -99,6 +107,30 @@ class Native(Method):
     def build(self, models, contexts, capacity, watch):
         cache = watch.lap("prefill", prefill(models.target, contexts.ids, contexts.mask, capacity=capacity)[1])
         return cache, np.array([len(p.encode()) for p in contexts.passages])
+
+
+SOURCE_ALONE = "source alone"
+
+
+class SourceAlone(Native):
+    """The source model reads the passage and answers itself: native context with the pair swapped (`reader`), in
+    the source's own chat format (`chat`, as `prompts.target_chat` gives it for the source)."""
+
+    name = SOURCE_ALONE
+    swaps = True
+
+    def __init__(self, chat=None):
+        self.chat = chat
+
+    def reader(self, models, settings):
+        swapped = dataclasses.replace(
+            models,
+            source=models.target,
+            target=models.source,
+            source_tokenizer=models.target_tokenizer,
+            target_tokenizer=models.source_tokenizer,
+        )
+        return swapped, dataclasses.replace(settings, chat=self.chat)
 
 
 class TextRelay(Method):

@@ -23,15 +23,36 @@ def _seconds(value) -> str:
     return "-" if value is None else f"{value:.3f}"
 
 
-def _se(scores: dict) -> str:
-    return "-" if scores.get("f1_se") is None else f"{scores['f1_se']:.3f}"  # none in results.json written before it
+def _value(scores: dict, key: str) -> str:
+    """A score to 3 decimals, "-" where it is None or absent (results.json written before it)."""
+    return "-" if scores.get(key) is None else f"{scores[key]:.3f}"
 
 
-def _vs_shuffled(scores: dict) -> str:
-    if scores.get("vs_shuffled") is None:
+PAIRED_COLUMNS = dict(f1="F1", exact_match="EM", f1_native_correct="native-correct F1", logprob="gold log-prob")
+
+
+def _paired(stat: dict | None) -> str:
+    if stat is None:
         return "-"
-    se = scores.get("vs_shuffled_se")
-    return f"{scores['vs_shuffled']:+.3f}" + ("" if se is None else f" +- {se:.3f}")
+    se = "" if stat["se"] is None else f" +- {stat['se']:.3f}"
+    return f"{stat['diff']:+.3f}{se} {stat['verdict']}"
+
+
+def paired_table(methods: dict) -> str:
+    """Each translated method against each of its controls: the mean paired difference (method minus control, over
+    the same examples) +- its standard error per metric, and whether it exceeds 2 s.e. ("" when none was paired)."""
+    rows = [
+        [name, control, *(_paired(stats.get(metric)) for metric in PAIRED_COLUMNS)]
+        for name, m in methods.items()
+        for control, stats in m.get("paired", {}).items()
+    ]
+    if not rows:
+        return ""
+    table = outputs.markdown_table(["method", "minus", *PAIRED_COLUMNS.values()], rows, left=2)
+    return (
+        "\nPaired differences, method minus control over the same examples, +- their standard error: above / below "
+        "where the difference exceeds 2 s.e., level where it does not.\n\n" + table
+    )
 
 
 def task_table(task: str, entry: dict) -> str:
@@ -41,7 +62,6 @@ def task_table(task: str, entry: dict) -> str:
             "method",
             "F1",
             "F1 s.e.",
-            "vs its shuffled source (paired)",
             "retention",
             "context seconds / document",
             "target KV held (MiB)",
@@ -51,8 +71,7 @@ def task_table(task: str, entry: dict) -> str:
             [
                 name,
                 f"{m['f1']:.3f}",
-                _se(m),
-                _vs_shuffled(m),
+                _value(m, "f1_se"),
                 _pct(m["retention"]),
                 _seconds(m["context_seconds"]),
                 f"{m['target_kv_bytes'] / MIB:.2f}",
@@ -84,12 +103,20 @@ def task_table(task: str, entry: dict) -> str:
             for name, m in methods.items()
         ]
         return outputs.markdown_table(header, rows)
+    return open_table(methods)
+
+
+def open_table(methods: dict) -> str:
+    """Extractive answers: F1, exact match, F1 on the native-correct subset, the gold answer's log-probability."""
+    native_correct = next(iter(methods.values())).get("f1_native_correct_examples")
     header = [
         "method",
         "F1",
         "F1 s.e.",
-        "vs its shuffled source (paired)",
         "EM",
+        "native-correct F1" + ("" if native_correct is None else f" ({native_correct})"),
+        "gold log-prob",
+        "log-prob s.e.",
         "retention",
         "bytes handed over",
         "examples/s",
@@ -98,9 +125,11 @@ def task_table(task: str, entry: dict) -> str:
         [
             name,
             f"{m['f1']:.3f}",
-            _se(m),
-            _vs_shuffled(m),
+            _value(m, "f1_se"),
             f"{m['exact_match']:.3f}",
+            _value(m, "f1_native_correct"),
+            _value(m, "logprob"),
+            _value(m, "logprob_se"),
             _pct(m["retention"]),
             f"{m['handed_bytes']:,.0f}",
             f"{m['examples_per_s']:.2f}",
@@ -156,13 +185,21 @@ def markdown(results: dict) -> str:
         f"Translators: {translators}. "
         f"Data: {meta['data']}; {'chat-template' if meta.get('chat_template') else 'plain'} prompts; greedy, "
         f"{meta['config']['max_new_tokens']} new tokens; {meta['machine']}; "
-        f"{meta['seconds']:.0f} s. Retention = the method's score as a percentage of native context's.",
+        f"{meta['seconds']:.0f} s. Retention = the method's score as a percentage of native context's. "
+        "Gold log-prob: the mean log-probability per token of the first gold answer read after the question "
+        "(teacher-forced). Native-correct F1: over the examples native context answers exactly and no context "
+        "does not (their number in its header).",
     ]
     if meta["config"].get("shuffled_source"):
         lines[-1] += (
             ' Rows named "..., shuffled source": the same translator writing each example\'s cache from '
             "another example's source cache (a control; a translated method carries the context only where "
             "it beats it; no TTFT of its own)."
+        )
+    if meta["config"].get("source_alone") and meta.get("methods"):
+        lines[-1] += (
+            ' "source alone": the source model reads the passage and answers itself (its own prompts and TTFT; its '
+            "log-probability counts its own tokens, so it is not paired on that)."
         )
     for name, calibration in meta.get("kvcomm", {}).items():
         lines[-1] += (
@@ -171,7 +208,12 @@ def markdown(results: dict) -> str:
         )
     for task, entry in results["tasks"].items():
         lines += ["", f"## {task} ({entry['examples']} examples)", ""]
-        lines.append(budget_table(entry) if task == "long_context" else task_table(task, entry))
+        if task == "long_context":
+            lines.append(budget_table(entry))
+            for budget, methods in entry["budgets"].items():
+                lines += ["", f"### at {budget} tokens", "", open_table(methods), paired_table(methods)]
+        else:
+            lines += [task_table(task, entry), paired_table(entry["methods"])]
     if results.get("latency"):
         lines += ["", "## Time to first token (batch 1)", ""]
         lines += [

@@ -4,14 +4,19 @@
 
 Beside each translated method runs its shuffled-source control (`methods.ShuffledSource`, a row named e.g.
 "MoT direct, shuffled source": the same translator writing each example's cache from another example's source cache)
-on every task, without TTFT rows (its cost is its method's); `--config.shuffled_source=false` leaves it out. The
-other config keys and their defaults: mot_jax/evals/config.py.
+on every task, without TTFT rows (its cost is its method's); `--config.shuffled_source=false` leaves it out. With a
+translator, the source answers alone too (`methods.SourceAlone`, not on multi-agent: its agents are the target's);
+`--config.source_alone=false` leaves it out. The other config keys and their defaults: mot_jax/evals/config.py.
+
+Results are written as they are computed (`Partial`: each batch's predictions, each finished task's scores) to
+OUT.partial, removed once the report is in OUT; a failed final write names it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import json
 import os
 import platform
 import time
@@ -21,14 +26,24 @@ import ml_collections
 from absl import logging
 
 from mot_jax import outputs
-from mot_jax.errors import MotJaxError
+from mot_jax.errors import MotJaxError, cause
 from mot_jax.evals import datasets, report
 from mot_jax.evals.config import parse_list
 from mot_jax.evals.kvcomm import KVComm
 from mot_jax.evals.latency import latency, ttft_setup
-from mot_jax.evals.methods import BASELINES, Native, NoContext, ShuffledSource, TextRelay, Translated, method_name
-from mot_jax.evals.prompts import CHAT_SETTINGS, Settings, is_closed, target_chat
+from mot_jax.evals.methods import (
+    BASELINES,
+    Native,
+    NoContext,
+    ShuffledSource,
+    SourceAlone,
+    TextRelay,
+    Translated,
+    method_name,
+)
+from mot_jax.evals.prompts import CHAT_SETTINGS, Settings, chat_turns, is_closed, target_chat
 from mot_jax.evals.tasks import add_paired_controls, add_retention, evaluate_agents, evaluate_examples
+from mot_jax.files import atomic_file
 from mot_jax.paths import as_path
 from mot_jax.progress import Progress
 from mot_jax.training.setup import load_pair
@@ -115,6 +130,68 @@ def with_controls(translated: list, shuffled_source: bool) -> list:
     return [row for m in translated for row in ([m, ShuffledSource(m)] if control(m) else [m])]
 
 
+class Partial:
+    """The results so far, in OUT.partial beside the report folder OUT: each batch's prediction rows appended to
+    predictions.jsonl (the report's schema) as they are computed, and results.json (the report's, without
+    predictions) rewritten as each task finishes, so a run that fails (a full disk at the end) loses nothing. A
+    failed partial write is logged once and the run goes on: the final report may still fit."""
+
+    def __init__(self, out):
+        self.folder = out.parent / f"{out.name}.partial"
+        self.failed = None
+        self._write(lambda: self.folder.mkdir(parents=True, exist_ok=True))
+        self._write(lambda: (self.folder / "predictions.jsonl").write_text(""))
+
+    def recorder(self, task: str, budget=None):
+        """`record(method, first index, predictions)` for `evaluate_examples`, appending to predictions.jsonl."""
+
+        def record(method, start, predictions):
+            rows = [
+                dict(task=task, budget=budget, method=method, index=start + i) | p for i, p in enumerate(predictions)
+            ]
+            with_file = lambda f: f.write("".join(json.dumps(r) + "\n" for r in rows))  # noqa: E731
+            self._write(lambda: with_file((self.folder / "predictions.jsonl").open("a")))
+
+        return record
+
+    def results(self, results: dict) -> None:
+        clean, _ = report.split_predictions(results)
+
+        def write():
+            with atomic_file(self.folder / "results.json") as path:
+                path.write_text(json.dumps(clean, indent=2))
+
+        self._write(write)
+
+    def remove(self) -> None:
+        for name in ("predictions.jsonl", "results.json"):
+            (self.folder / name).unlink(missing_ok=True)
+        if self.folder.exists() and not any(self.folder.iterdir()):
+            self.folder.rmdir()
+
+    def _write(self, write) -> None:
+        try:
+            write()
+        except OSError as e:
+            if self.failed is None:
+                logging.warning("Could not write the partial results to %s (%s).", self.folder, cause(e))
+            self.failed = cause(e)
+
+
+def write_report(out, results: dict, partial: Partial) -> None:
+    """The report into `out`; when that fails (a full disk), one sentence that says where the results so far are."""
+    try:
+        report.write(out, results)
+    except OSError as e:
+        kept = (
+            f"the results so far are in {partial.folder} (results.json without the timings, predictions.jsonl)"
+            if partial.failed is None
+            else f"the results so far could not be kept either ({partial.failed})"
+        )
+        raise MotJaxError(f"Could not write the report to {out} ({cause(e)}); {kept}. Free space and rerun.") from None
+    partial.remove()
+
+
 def evaluate(workdir, config: ml_collections.ConfigDict, compare=(), out=None) -> dict:
     """Evaluate the translator in `workdir` (and those in `compare`) with the baselines on `config`'s tasks; writes
     results.json, results.md, predictions.jsonl and plots to `out` (default WORKDIR/eval) and returns the results."""
@@ -143,16 +220,23 @@ def evaluate(workdir, config: ml_collections.ConfigDict, compare=(), out=None) -
         workdirs = [str(workdir), *map(str, compare)]
         translated, train_config = trained_methods(workdirs, config.which, config.replay_attention)
     names = (train_config.source, train_config.target)
-    methods = baseline_methods(config, names) + with_controls(translated, config.shuffled_source)
+    baselines, rows = baseline_methods(config, names), with_controls(translated, config.shuffled_source)
     pair_config = ml_collections.ConfigDict(
         dict(source=train_config.source, target=train_config.target, dtype=config.dtype or train_config.dtype)
     )
     models = load_pair(pair_config)
+    chat = target_chat(config.chat_template, pair_config.target, models.target_tokenizer)
+    if translated and config.source_alone:  # its prompts in its own chat format, chosen as the target's
+        setting = config.chat_template
+        if setting == "on" and chat_turns(models.source_tokenizer) is None:
+            setting = "off"  # `on` asks for the target's turns; a source without a format reads plain prompts
+        baselines.append(SourceAlone(target_chat(setting, names[0], models.source_tokenizer)))
+    methods = baselines + rows
     for method in methods:
         method.prepare(models)
-    chat = target_chat(config.chat_template, pair_config.target, models.target_tokenizer)
     settings = Settings(config.batch_size, config.max_new_tokens, chat=chat)
     results = dict(tasks={}, routing={})
+    partial = Partial(out)
 
     def examples(task, **options):
         return datasets.load_examples(
@@ -164,27 +248,32 @@ def evaluate(workdir, config: ml_collections.ConfigDict, compare=(), out=None) -
             "Evaluating %s on %s with %s", task, config.data or "the synthetic set", ", ".join(m.name for m in methods)
         )
         watch = Progress(task, "example")
-        if task == "multi_agent":
+        if task == "multi_agent":  # the source alone is not a row: the agents are the target's
             documents = examples(task, questions_per_example=config.agents)
-            scores = evaluate_agents(models, methods, documents, settings, watch)
+            agents = [m for m in methods if not m.swaps]
+            scores = evaluate_agents(models, agents, documents, settings, watch)
+            for name, row in scores.items():
+                partial.recorder(task)(name, 0, row["predictions"])
             results["tasks"][task] = dict(examples=len(documents), methods=scores)
         elif task == "long_context":
             items, by_budget = examples(task, distractors=config.long_distractors), {}
+            results["tasks"][task] = dict(examples=len(items), budgets=by_budget)
             for budget in budgets:
                 run = dataclasses.replace(settings, budget=budget)
                 watch = Progress(f"{task} at {budget} tokens", "example")
-                scores = evaluate_examples(models, methods, items, run, watch)
+                scores = evaluate_examples(models, methods, items, run, watch, partial.recorder(task, str(budget)))
                 by_budget[str(budget)] = add_paired_controls(add_retention(scores, "f1"))
-            results["tasks"][task] = dict(examples=len(items), budgets=by_budget)
+                partial.results(results)
         else:
             items = examples(task)
-            scores = evaluate_examples(models, methods, items, settings, watch)
+            scores = evaluate_examples(models, methods, items, settings, watch, partial.recorder(task))
             if is_closed(items):
                 add_retention(scores, "likelihood_accuracy", "likelihood_retention")
             else:
                 add_paired_controls(scores)
             metric = "accuracy" if is_closed(items) else "f1"
             results["tasks"][task] = dict(examples=len(items), methods=add_retention(scores, metric))
+        partial.results(results)
     if lengths:
         ttft = ttft_setup(models, lengths, config.max_new_tokens, config.seed)
         if len(ttft.lengths) < len(lengths):
@@ -211,5 +300,5 @@ def evaluate(workdir, config: ml_collections.ConfigDict, compare=(), out=None) -
         date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         seconds=round(time.perf_counter() - began, 1),
     )
-    report.write(out, results)
+    write_report(out, results, partial)
     return results

@@ -10,7 +10,17 @@ import numpy as np
 from mot_jax.evals import metrics
 from mot_jax.evals.kvcomm import KVComm
 from mot_jax.evals.latency import timed
-from mot_jax.evals.methods import SHUFFLED, ShuffledSource, Stopwatch, TextRelay, Translated, held_bytes, wants_donors
+from mot_jax.evals.methods import (
+    BASELINES,
+    SHUFFLED,
+    SOURCE_ALONE,
+    ShuffledSource,
+    Stopwatch,
+    TextRelay,
+    Translated,
+    held_bytes,
+    wants_donors,
+)
 from mot_jax.evals.prompts import (
     SUFFIX_BUCKET,
     Settings,
@@ -57,15 +67,36 @@ class Options:
         return out
 
 
-def evaluate_examples(models, methods, examples, settings: Settings, progress=None) -> dict:
+def evaluate_examples(models, methods, examples, settings: Settings, progress=None, record=None) -> dict:
     """Scores of every method on the examples (extractive or closed-set): {method: {metric: value}, ...} plus
-    per-example predictions under "predictions". `progress(done, total)` is called after each batch."""
+    per-example predictions under "predictions". `progress(done, total)` is called after each batch and
+    `record(method name, first example index, predictions)` with each batch's predictions (partial results).
+    Methods that answer with the source (`SourceAlone`) run in a second pass over the same examples, with the pair
+    swapped."""
+    passes = [[m for m in methods if not m.swaps], [m for m in methods if m.swaps]]
+    passes = [group for group in passes if group]
+    rows = {}
+    for k, group in enumerate(passes):
+        reader, reader_settings = group[0].reader(models, settings)
+        done = (lambda d, t, k=k: progress(k * t + d, len(passes) * t)) if progress else None
+        rows |= answer_examples(reader, group, examples, reader_settings, done, record)
+    closed = is_closed(examples)
+    return {m.name: summarize(rows[m.name], examples, closed) for m in methods}
+
+
+def answer_examples(models, methods, examples, settings: Settings, progress=None, record=None) -> dict:
+    """Every method's raw rows (predictions, timings, bytes handed over) on the examples, answered by
+    `models.target`; open-answer predictions carry the gold answer's mean log-probability per token (`logprob`)."""
     closed = is_closed(examples)
     eos = tuple(models.target.config.eos_ids)
     rows = {m.name: dict(predictions=[], timed=[], handed=[]) for m in methods}
     for contexts, suffix_ids, suffix_mask in batches(models, examples, settings, donors=wants_donors(methods)):
-        options = Options.of(models.target_tokenizer, contexts.examples, contexts.chat) if closed else None
-        capacity = contexts.length + max(suffix_ids.shape[1] + settings.max_new_tokens, options.length if closed else 0)
+        tokenizer = models.target_tokenizer
+        options = Options.of(tokenizer, contexts.examples, contexts.chat) if closed else None
+        gold = None if closed else gold_tokens(tokenizer, contexts.examples, contexts.chat)
+        scored = options.length if closed else suffix_ids.shape[1] + gold[0].shape[1]
+        capacity = contexts.length + max(suffix_ids.shape[1] + settings.max_new_tokens, scored)
+        start = len(rows[methods[0].name]["predictions"])
         for method in methods:
             watch = Stopwatch()
             cache, handed = method.build(models, contexts, capacity, watch)
@@ -75,11 +106,15 @@ def evaluate_examples(models, methods, examples, settings: Settings, progress=No
                     models.target, cache, suffix_ids, suffix_mask, max_new_tokens=settings.max_new_tokens, eos_ids=eos
                 ),
             )
-            texts = decode_answers(models.target_tokenizer, out, eos)
+            texts = decode_answers(tokenizer, out, eos)
             scores = options.scores(models.target, cache) if closed else None
+            logprob = (
+                None if closed else np.asarray(choice_logprob(models.target, cache, suffix_ids, suffix_mask, *gold))
+            )
             row = rows[method.name]
             row["timed"].append((len(texts), sum(watch.stages.values())))
             row["handed"] += handed.tolist()
+            batch = []
             for b, (example, text) in enumerate(zip(contexts.examples, texts)):
                 prediction = dict(
                     question=example["question"],
@@ -91,10 +126,22 @@ def evaluate_examples(models, methods, examples, settings: Settings, progress=No
                     chosen = metrics.match_choice(text, example["choices"])
                     prediction["choice"] = None if chosen is None else example["choices"][chosen]
                     prediction["likelihood_choice"] = example["choices"][int(np.argmax(scores[b]))]
-                row["predictions"].append(prediction)
+                else:
+                    prediction["logprob"] = float(logprob[b])
+                batch.append(prediction)
+            row["predictions"] += batch
+            if record:
+                record(method.name, start, batch)
         if progress:
             progress(len(rows[methods[0].name]["predictions"]), len(examples))
-    return {name: summarize(row, examples, closed) for name, row in rows.items()}
+    return rows
+
+
+def gold_tokens(tokenizer, examples, chat=None) -> tuple:
+    """(ids, mask) [B, La] of each example's first gold answer as the target reads it after the suffix: after
+    "Answer:" with a space, at the opening of the assistant's turn without one."""
+    texts = [("" if chat else " ") + e["answers"][0] for e in examples]
+    return padded(token_ids(tokenizer, texts, False), 8)
 
 
 def gold_answers(example: dict) -> list[str]:
@@ -103,7 +150,7 @@ def gold_answers(example: dict) -> list[str]:
 
 
 def standard_error(values) -> float | None:
-    """Of the mean, over examples (None for one)."""
+    """Of the mean, over examples (None for one or none)."""
     return float(np.std(values, ddof=1) / np.sqrt(len(values))) if len(values) > 1 else None
 
 
@@ -117,16 +164,15 @@ def summarize(row, examples, closed: bool) -> dict:
             unparsed=float(np.mean([p["choice"] is None for p in predictions])),
         )
     else:
-        f1 = [metrics.f1(p["answer"], e["answers"]) for p, e in zip(predictions, examples)]
-        for prediction, score in zip(predictions, f1):
-            prediction["f1"] = score
-        out = dict(
-            f1=float(np.mean(f1)),
-            f1_se=standard_error(f1),
-            exact_match=float(
-                np.mean([metrics.exact_match(p["answer"], e["answers"]) for p, e in zip(predictions, examples)])
-            ),
-        )
+        out = {}
+        for p, e in zip(predictions, examples):
+            p["f1"], p["exact_match"] = (
+                metrics.f1(p["answer"], e["answers"]),
+                metrics.exact_match(p["answer"], e["answers"]),
+            )
+        for metric in OPEN_METRICS:
+            values = [p[metric] for p in predictions if metric in p]
+            out[metric], out[f"{metric}_se"] = float(np.mean(values)) if values else None, standard_error(values)
     steady = row["timed"][1:] or row["timed"]  # the first batch compiles
     out["examples_per_s"] = sum(n for n, _ in steady) / max(sum(s for _, s in steady), 1e-9)
     out["handed_bytes"] = float(np.mean(row["handed"]))
@@ -134,16 +180,66 @@ def summarize(row, examples, closed: bool) -> dict:
     return out
 
 
+OPEN_METRICS = ("f1", "exact_match", "logprob")  # per open-answer prediction; logprob: the gold answer's, per token
+NATIVE_CORRECT = "f1_native_correct"  # F1 over the examples native answers exactly and no context does not
+TWO_SE = 2  # a paired difference "exceeds" its noise beyond this many standard errors
+
+
+def paired(values, controls) -> dict:
+    """The mean of per-example differences `values - controls` (the same examples, in order), its standard error
+    and, in words, whether it exceeds 2 s.e.: pairing takes out the noise of the examples both rows share."""
+    diffs = np.subtract(values, controls, dtype=np.float64)
+    mean, se = float(diffs.mean()), standard_error(diffs)
+    if se is None:
+        words = "one example"
+    else:
+        words = "level" if abs(mean) <= TWO_SE * se else ("above" if mean > 0 else "below")
+    return dict(diff=mean, se=se, examples=len(diffs), verdict=words)
+
+
+def controls_of(name: str, results: dict) -> list[str]:
+    """The rows a translated method is paired against, those present: no context, native, the source alone, its
+    shuffled source and its source-free variant (named as `method_name` names it)."""
+    wanted = ("no_context", "native", SOURCE_ALONE, f"{name}{SHUFFLED}", f"source-free {name}")
+    return [c for c in wanted if c in results and c != name]
+
+
 def add_paired_controls(results: dict) -> dict:
-    """Each translated method's F1 minus its shuffled-source control's over the same examples (`vs_shuffled`) and
-    that difference's standard error (`vs_shuffled_se`): what the cache carries of *this* example's context beyond
-    what any source cache gives, with the noise the two rows share taken out."""
+    """Each translated method's paired differences against its controls (`controls_of`), per metric the
+    predictions carry (F1, exact match, gold log-probability; F1 alone for multi-agent), under
+    scores["paired"][control][metric] (`paired`). Also every row's F1 on the native-correct subset (the
+    examples native answers exactly and no context does not: where the context is needed and used), where both
+    rows ran, with its paired differences. The source alone's log-probability counts the source's tokens, so it
+    is not paired on that."""
+    rows = {name: scores["predictions"] for name, scores in results.items()}
+    subset = None
+    if "native" in rows and "no_context" in rows:
+        pairs = zip(rows["native"], rows["no_context"], strict=True)
+        subset = [i for i, (n, z) in enumerate(pairs) if n.get("exact_match") and not z.get("exact_match")]
+        for scores in results.values():
+            f1 = [scores["predictions"][i]["f1"] for i in subset]
+            scores[NATIVE_CORRECT] = float(np.mean(f1)) if f1 else None
+            scores[f"{NATIVE_CORRECT}_examples"] = len(subset)
     for name, scores in results.items():
-        control = results.get(f"{name}{SHUFFLED}")
-        if control:
-            diffs = [p["f1"] - q["f1"] for p, q in zip(scores["predictions"], control["predictions"], strict=True)]
-            scores["vs_shuffled"], scores["vs_shuffled_se"] = float(np.mean(diffs)), standard_error(diffs)
+        if not is_translated(name):
+            continue
+        scores["paired"] = {}
+        for control in controls_of(name, results):
+            mine, theirs = rows[name], rows[control]
+            out = {
+                metric: paired([p[metric] for p in mine], [q[metric] for q in theirs])
+                for metric in OPEN_METRICS
+                if metric in mine[0] and metric in theirs[0] and not (metric == "logprob" and control == SOURCE_ALONE)
+            }
+            if subset:
+                out[NATIVE_CORRECT] = paired([mine[i]["f1"] for i in subset], [theirs[i]["f1"] for i in subset])
+            scores["paired"][control] = out
     return results
+
+
+def is_translated(name: str) -> bool:
+    """A row of a trained translator (not a baseline, the source alone or a shuffled-source control)."""
+    return name not in (*BASELINES, SOURCE_ALONE) and not name.endswith(SHUFFLED)
 
 
 def add_retention(results: dict, metric: str, key: str = "retention") -> dict:
