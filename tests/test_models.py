@@ -140,3 +140,19 @@ def test_blocked_prefill_equals_full_attention(pair, monkeypatch):
     np.testing.assert_allclose(np.asarray(blocked.k), np.asarray(full.k), atol=1e-5, rtol=0)
     valid = np.asarray(mask, bool)
     np.testing.assert_array_equal(np.asarray(blocked_topk)[:, valid], np.asarray(full_topk)[:, valid])
+
+
+def test_random_model_takes_a_checkpoint_directorys_shapes_and_tokenizer(tmp_path):
+    """`random:DIR`: the shapes of DIR's config.json (every parameter as the real load's), DIR's tokenizer."""
+    from mot_jax.models import tiny
+    from mot_jax.models.loading import load_tokenizer
+    from mot_jax.models.registry import flat_params
+
+    save_tiny(CONFIGS["qwen2"]["untied_sliding"](), tmp_path)
+    tiny.tokenizer(97).save(str(tmp_path / "tokenizer.json"))
+    real, _ = load_model(str(tmp_path))
+    random, _ = load_model(f"random:{tmp_path}")
+    shapes = lambda m: {k: v.shape for k, v in flat_params(m).items()}
+    assert random.config == real.config and shapes(random) == shapes(real)
+    assert not np.allclose(random.embed_tokens.embedding[...], real.embed_tokens.embedding[...])
+    assert load_tokenizer(f"random:{tmp_path}").to_str() == tiny.tokenizer(97).to_str()

@@ -10,6 +10,8 @@
   python -m mot_jax.bench ttft --workdirs=DIR   # ... of trained translators (training workdirs) instead of untrained
   python -m mot_jax.bench ttft --only=linear    # ... of native and the methods whose names hold "linear" (the dial)
   python -m mot_jax.bench train                 # the training step of configs/smollm2_gemma3.py (replay and direct)
+  python -m mot_jax.bench train --train_dtype=bfloat16 --train_pair=random:DIR_S,random:DIR_T
+                                                # ... in bf16, on random weights of two checkpoints' shapes
   python -m mot_jax.bench features              # K/V-space training steps: frozen forwards live vs the feature cache
   python -m mot_jax.bench --quick --out=/tmp/bench/BENCHMARKS.md   # every part on tiny random models
 
@@ -95,6 +97,8 @@ def define_flags():
     flags.DEFINE_list("workdirs", [], "ttft: training workdirs (one model pair) to time instead of untrained ones.")
     only = "ttft: time only native and the methods whose names hold one of these strings (repeatable)."
     flags.DEFINE_multi_string("only", [], only)
+    flags.DEFINE_list("train_pair", [], "train: SOURCE,TARGET model names instead of the experiment's own.")
+    flags.DEFINE_enum("train_dtype", "", ["", "float32", "bfloat16"], "train: the LLMs' dtype ('': the experiment's).")
     flags.DEFINE_string("out", None, f"Page to write (default {PAGE} when every part runs; the plot goes beside it).")
     flags.DEFINE_bool(
         "quick", False, "Every size tiny (random models, one run): checks the page builds (1-1.5 minutes)."
@@ -105,8 +109,11 @@ def make_plan(fail) -> Plan:
     from absl import flags
 
     f = flags.FLAGS
+    if f.train_pair and len(f.train_pair) != 2:
+        fail(f"--train_pair takes two model names, SOURCE,TARGET, not {','.join(f.train_pair)!r}.")
+    chosen = dict(workdirs=tuple(f.workdirs), only=tuple(f.only), train_pair=tuple(f.train_pair))
     if f.quick:
-        return dataclasses.replace(QUICK, workdirs=tuple(f.workdirs), only=tuple(f.only))
+        return dataclasses.replace(QUICK, train_dtype=f.train_dtype, **chosen)
     try:
         ints = lambda values: tuple(int(v) for v in values)
         batches, lengths = ints(f.batches), ints(f.lengths)
@@ -129,8 +136,8 @@ def make_plan(fail) -> Plan:
         mixture=DEFAULT_MIXTURE,
         align=dict(target="gemma3-270m", source="smollm2-135m", length=2048, batches=(1, 8)),
         config_arg="",
-        workdirs=tuple(f.workdirs),
-        only=tuple(f.only),
+        train_dtype=f.train_dtype,
+        **chosen,
     )
 
 

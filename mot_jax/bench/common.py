@@ -36,6 +36,8 @@ class Plan:
     workdirs: tuple = ()
     only: tuple = ()  # ttft: the methods whose names hold one of these (and native); empty: every method
     quick: bool = False
+    train_pair: tuple = ()  # train: (source, target) model names instead of the EXPERIMENT's own
+    train_dtype: str = ""  # train: the LLMs' dtype instead of the EXPERIMENT's ("")
 
 
 DEFAULT_MIXTURE = dict(

@@ -73,7 +73,14 @@ def bench_train(plan: Plan) -> Section:
     from mot_jax.training.channel_search import resolve_channels
     from mot_jax.training.trainer import Trainer, stack
 
-    config = load_experiment(plan.config_arg + "replay")
+    def experiment(mode):
+        c = load_experiment(plan.config_arg + mode)
+        if plan.train_pair:
+            c.source, c.target = plan.train_pair
+        c.dtype = plan.train_dtype or c.dtype
+        return c
+
+    config = experiment("replay")
     pair = setup.load_pair(config)
     datasets = setup.make_datasets(config, pair)
     mesh = setup.make_mesh(config)
@@ -85,7 +92,7 @@ def bench_train(plan: Plan) -> Section:
         ("replay, dense", "replay", "dense"),
         ("direct, sparse", "direct", "sparse"),
     ):
-        c = load_experiment(plan.config_arg + mode)
+        c = experiment(mode)
         c.translator.dispatch = dispatch
         spec, tcfg = setup.translation(c, resolve_channels(c, pair, datasets, mesh, None), pair)
         trainer = Trainer(c, pair, spec, tcfg, mesh, c.steps)

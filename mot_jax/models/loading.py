@@ -50,7 +50,7 @@ def load_tokenizer(name_or_path: str):
     """The tokenizer of a model name as `load_model` takes it: a `tokenizers.Tokenizer` (tokenizer.json) where the
     checkpoint has one, else transformers' `AutoTokenizer` (e.g. GPT-2's vocab.json + merges.txt)."""
     if tiny.is_random(name_or_path):
-        return tiny.tokenizer(tiny.hf_config(name_or_path)["vocab_size"])
+        return tiny.load_tokenizer(name_or_path)
     if gguf.resolve_gguf(name_or_path) is not None:
         return gguf.load_tokenizer(name_or_path)
     model_dir = resolve_model_dir(name_or_path)

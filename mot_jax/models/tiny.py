@@ -5,13 +5,18 @@ random (seeded) and the tokenizer is a byte-level BPE trained here on the Python
 every Python. Each family gets its own vocabulary size, so two tiny families tokenize differently and the
 cross-tokenizer alignment is exercised as with real pairs; `qwen2` and `qwen2-large` share one, as a real
 same-family pair does.
+
+`random:DIR` takes the shapes (config.json) and tokenizer of a checkpoint directory DIR with random weights: a
+real-size model where its weights are not at hand (e.g. timing on a machine the weights cannot be copied to).
 """
 
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 from mot_jax.errors import MotJaxError
+from mot_jax.models import registry
 from mot_jax.models.registry import FAMILIES, FAMILY_BY_NAME, build_model, resolve_dtype
 
 PREFIX = "random:"
@@ -68,17 +73,36 @@ def tokenizer(vocab_size: int):
     return tok
 
 
+def _shapes_dir(name: str) -> Path | None:
+    """`random:DIR`: a checkpoint directory whose shapes (config.json) and tokenizer a random model takes."""
+    path = Path(name[len(PREFIX) :]).expanduser()
+    return path if path.is_dir() else None
+
+
 def hf_config(name: str) -> dict:
+    if folder := _shapes_dir(name):
+        return registry.read_config(folder)[0]
     family = name[len(PREFIX) :]
     if family not in HF_CONFIGS:
-        raise MotJaxError(f"Unknown tiny model {name!r}; use {PREFIX}FAMILY with FAMILY in {', '.join(HF_CONFIGS)}.")
+        raise MotJaxError(
+            f"Unknown tiny model {name!r}; use {PREFIX}FAMILY with FAMILY in {', '.join(HF_CONFIGS)}, or "
+            f"{PREFIX}DIR with a checkpoint directory DIR (its config.json) for random weights of its shapes."
+        )
     config, vocab = HF_CONFIGS[family]
     return dict(config, vocab_size=vocab, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
 
+def load_tokenizer(name: str):
+    if folder := _shapes_dir(name):
+        from mot_jax.models import gguf
+
+        return gguf.load_tokenizer(folder)
+    return tokenizer(hf_config(name)["vocab_size"])
+
+
 def load(name: str, dtype="float32", seed: int = 0):
-    """(model, HF config dict, tokenizer) of a tiny random model; the weights depend on the family and `seed`."""
+    """(model, HF config dict, tokenizer) of a random model; the weights depend on the family and `seed`."""
     config = hf_config(name)
     cfg = FAMILIES[config["model_type"]][0].config_from_hf(config)
     model = build_model(cfg, resolve_dtype(dtype), seed=seed + sorted(FAMILY_BY_NAME).index(cfg.family))
-    return model, config, tokenizer(config["vocab_size"])
+    return model, config, load_tokenizer(name)
