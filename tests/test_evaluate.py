@@ -107,9 +107,11 @@ def test_native_answers_equal_the_target_reading_the_whole_prompt(pair, chat):
 def test_gold_log_probability_and_the_source_alone_equal_full_forwards(pair):
     """The gold answer's mean log-probability per token after the native cache equals a full forward's over prefix +
     suffix + " answer"; the source alone (the pair swapped) answers as the source generating from its own prompt in
-    one sequence, and its log-probability is the source's full forward's."""
+    one sequence, and its log-probability is the source's full forward's. Progress counts both passes."""
     examples = synthetic.examples("extractive_qa", 3, seed=1)
-    results = evaluate_examples(pair, [Native(), SourceAlone()], examples, SETTINGS)
+    calls = []
+    results = evaluate_examples(pair, [Native(), SourceAlone()], examples, SETTINGS, lambda *c: calls.append(c))
+    assert calls == [(2, 6), (3, 6), (5, 6), (6, 6)]  # batches of 2: the target's pass, then the source's
     readers = (("native", pair.target, pair.target_tokenizer), ("source alone", pair.source, pair.source_tokenizer))
     for name, model, tokenizer in readers:
         for example, prediction in zip(examples, results[name]["predictions"], strict=True):
