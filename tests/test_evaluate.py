@@ -450,6 +450,29 @@ def test_shuffled_source_row_is_the_translation_of_another_examples_source(pair)
     assert checked == 3
 
 
+def test_a_swapped_band_takes_those_layers_from_the_donors_native_cache(pair):
+    """Layers [lo, hi) of the band row's cache are the donor's (the next example's) own native prefill, the others
+    this row's: checked against the two prefills run on their own, the prefixes cut to one length (carry is then
+    the identity); the bands are the target's quarters; a bad diagnose is refused in one line."""
+    from mot_jax.evals.methods import SwappedBand, bands
+    from mot_jax.models.base import prefill
+
+    examples = synthetic.examples("extractive_qa", 2, seed=8)
+    contexts, _, _ = next(batches(pair, examples, Settings(batch_size=2, budget=120), donors=True))
+    assert (contexts.mask.sum(1) == 120).all()
+    layers = pair.target.config.num_layers
+    cache, _ = SwappedBand(1, layers).build(pair, contexts, contexts.length, Stopwatch())
+    own = prefill(pair.target, contexts.ids, contexts.mask)[1]
+    donor = prefill(pair.target, contexts.ids[::-1], contexts.mask[::-1])[1]  # each row's donor is the other row
+    np.testing.assert_allclose(cache.k[:1, :, :, :120], own.k[:1, :, :, :120], atol=1e-6)
+    np.testing.assert_allclose(cache.k[1:, :, :, :120], donor.k[1:, :, :, :120], atol=1e-6)
+    np.testing.assert_allclose(cache.v[1:, :, :, :120], donor.v[1:, :, :, :120], atol=1e-6)
+    assert [(b.lo, b.hi) for b in bands(8)] == [(0, 2), (2, 4), (4, 6), (6, 8)] and bands(8)[0].needs_donors
+    assert bands(2)[0].name == "native, layers 0-0 from another example" and len(bands(2)) == 2
+    with pytest.raises(MotJaxError, match="diagnose='layers' is not a diagnostic; pass bands, or nothing"):
+        run.evaluate("/nonexistent", small_config(diagnose="layers"))
+
+
 def test_shuffled_source_alignment_is_carried_onto_this_rows_grid_by_position():
     """Row 0: 2 tokens from a donor's 4 take donor tokens 0 and 2; row 1: 6 tokens from 3 take 0, 0, 1, 1, 2, 2,
     and a source token aligned to donor token r goes to this row's first token that took r or later."""

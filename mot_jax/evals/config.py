@@ -29,6 +29,7 @@ def defaults() -> ml_collections.ConfigDict:
     c.which = "last"  # the checkpoint evaluated: last | best (validation loss) | a step number
     c.shuffled_source = True  # a control row beside each translated method: translated from another example's source
     c.source_alone = True  # with a translator, a row of the source reading the context and answering itself
+    c.diagnose = ""  # "bands": rows of native context with a quarter of the target's layers from another example
     c.replay_attention = "trained"  # replay translators, once per entry: trained | dense | K (top-K keys per query)
     c.dtype = ""  # LLM dtype; "" = the training run's
     return c

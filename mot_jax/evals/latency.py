@@ -7,7 +7,7 @@ import dataclasses
 import statistics
 
 from mot_jax.evals import synthetic
-from mot_jax.evals.methods import Native, ShuffledSource, Stopwatch, Translated, held_bytes
+from mot_jax.evals.methods import Native, Stopwatch, Translated, held_bytes
 from mot_jax.evals.prompts import Settings, batches, capacity_for
 from mot_jax.models.base import generate_from_cache_jit, prefill
 from mot_jax.translate.pipeline import read_source, source_prefill, translate_jit
@@ -80,7 +80,7 @@ def latency(models, methods, example: dict, lengths, settings: Settings, runs: i
     rows = []
     for i, length in enumerate(sorted(lengths)):
         for method in methods:
-            if method.name == "no_context" or isinstance(method, ShuffledSource):  # its TTFT is its method's
+            if method.name == "no_context" or method.needs_donors:  # a control: its TTFT is its method's
                 continue
             # the source alone reads its own tokens: the same text cut to `length` of them
             reader, single = method.reader(models, dataclasses.replace(settings, batch_size=1, budget=length))

@@ -36,6 +36,7 @@ from mot_jax.evals.prompts import (
     summary_request,
     token_ids,
 )
+from mot_jax.jit import jit
 from mot_jax.models.base import generate, prefill
 from mot_jax.translate import align as alignment_lib
 from mot_jax.translate.pipeline import SourceRead, read_source, translate_jit
@@ -79,6 +80,7 @@ class Method:
     name: str
     source_stage: str | None = None  # the stage that is the source's own prefill (excluded from TTFT)
     swaps = False  # answers with the source model (`reader`), not the target
+    needs_donors = False  # reads another example's contexts (`Contexts.donors`): a control, without a TTFT of its own
 
     def reader(self, models, settings):
         """(models, settings) this method answers with: `models.target` reads its cache and answers."""
@@ -225,6 +227,7 @@ class ShuffledSource(Method):
     """
 
     source_stage = "source_prefill"
+    needs_donors = True
 
     def __init__(self, method: Translated):
         self.method, self.name = method, f"{method.name}{SHUFFLED}"
@@ -246,16 +249,65 @@ def regrid(alignment, donor_mask, mask, source_mask) -> alignment_lib.Alignment:
     width = alignment.weights.shape[2]
     weights = np.zeros((batch, length, width), np.float32)
     to_source, to_target = np.zeros((batch, length), np.int32), np.zeros((batch, width), np.int32)
+    carried = carry(donor_mask, mask)
     for b in range(batch):
         mine, theirs = np.flatnonzero(mask[b]), np.flatnonzero(donor_mask[b])
         n, m = len(mine), len(theirs)
-        pick = theirs[np.arange(n) * m // n]  # the donor token each of my tokens takes
+        pick = carried[b, mine]  # the donor token each of my tokens takes
         weights[b, mine] = alignment.weights[b, pick]
         to_source[b, mine] = alignment.target_to_source[b, pick]
         rank = np.searchsorted(theirs, alignment.source_to_target[b])  # each source token's donor token, 0..m-1
         first_taker = np.minimum(-(-rank * n // m), n - 1)
         to_target[b] = np.where(np.asarray(source_mask[b], bool), mine[first_taker], 0)
     return alignment_lib.Alignment(weights, to_source, to_target)
+
+
+def carry(donor_mask, mask) -> np.ndarray:
+    """[B, T] per slot of `mask`'s grid, the donor slot it takes by position: row b's i-th of n valid tokens takes
+    the donor's floor(i * m / n)-th of m valid tokens (the identity when n = m); 0 at padding."""
+    out = np.zeros(np.shape(mask), np.int32)
+    for b in range(len(out)):
+        mine, theirs = np.flatnonzero(mask[b]), np.flatnonzero(donor_mask[b])
+        out[b, mine] = theirs[np.arange(len(mine)) * len(theirs) // len(mine)]
+    return out
+
+
+class SwappedBand(Native):
+    """The layer-band diagnostic (`--config.diagnose=bands`): native context whose K/V in target layers [lo, hi) are
+    another example's (its shuffled-source donor's native K/V, carried onto this row's grid by position as `carry`
+    does; keys keep the donor's rotary positions, off by at most the two lengths' difference). Its drop from native
+    says how much of the binding of question to answer those layers carry, so where a translator must be exact."""
+
+    needs_donors = True
+
+    def __init__(self, lo: int, hi: int):
+        self.lo, self.hi, self.name = lo, hi, f"native, layers {lo}-{hi - 1} from another example"
+
+    def build(self, models, contexts, capacity, watch):
+        cache, handed = super().build(models, contexts, capacity, watch)
+        donor = prefill(models.target, contexts.donors.ids, contexts.donors.mask)[1]
+        carried = carry(contexts.donors.mask, contexts.mask)
+        return swap_band(cache, donor, carried, contexts.mask, lo=self.lo, hi=self.hi), handed
+
+
+@jit(static_argnames=("lo", "hi"))
+def swap_band(cache, donor, carried, mask, lo: int, hi: int):
+    """`cache` with layers [lo, hi) of its first T slots' K/V (T = mask's width) taken from `donor`'s slots `carried`
+    [B, T], where `mask` is set."""
+    index, keep = carried[None, :, None, :, None], mask[None, :, None, :, None]
+    width = mask.shape[1]
+
+    def swapped(mine, theirs):
+        taken = jnp.take_along_axis(theirs[lo:hi], index, axis=3)
+        return mine.at[lo:hi, :, :, :width].set(jnp.where(keep, taken, mine[lo:hi, :, :, :width]))
+
+    return dataclasses.replace(cache, k=swapped(cache.k, donor.k), v=swapped(cache.v, donor.v))
+
+
+def bands(num_layers: int, count: int = 4) -> list[SwappedBand]:
+    """The diagnostic's rows: `count` contiguous bands of the target's layers (quarters by default)."""
+    edges = [round(i * num_layers / count) for i in range(count + 1)]
+    return [SwappedBand(lo, hi) for lo, hi in zip(edges, edges[1:]) if hi > lo]
 
 
 def method_name(config) -> str:
@@ -281,4 +333,4 @@ def method_name(config) -> str:
 
 
 def wants_donors(methods) -> bool:
-    return any(isinstance(m, ShuffledSource) for m in methods)
+    return any(m.needs_donors for m in methods)

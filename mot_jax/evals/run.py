@@ -37,8 +37,10 @@ from mot_jax.evals.methods import (
     NoContext,
     ShuffledSource,
     SourceAlone,
+    SwappedBand,
     TextRelay,
     Translated,
+    bands,
     method_name,
 )
 from mot_jax.evals.prompts import CHAT_SETTINGS, Settings, chat_turns, is_closed, target_chat
@@ -206,6 +208,8 @@ def evaluate(workdir, config: ml_collections.ConfigDict, compare=(), out=None) -
     check_counts(config)
     if config.chat_template not in CHAT_SETTINGS:
         raise MotJaxError(f"chat_template={config.chat_template!r} is not one of {', '.join(CHAT_SETTINGS)}; pass one.")
+    if config.diagnose not in ("", "bands"):
+        raise MotJaxError(f"diagnose={config.diagnose!r} is not a diagnostic; pass bands, or nothing.")
     out = as_path(out or as_path(workdir) / "eval")
     outputs.check_replaceable(out)  # before minutes of evaluation
     if config.pair:  # the baselines on a named pair, no trained translator
@@ -231,7 +235,7 @@ def evaluate(workdir, config: ml_collections.ConfigDict, compare=(), out=None) -
         if setting == "on" and chat_turns(models.source_tokenizer) is None:
             setting = "off"  # `on` asks for the target's turns; a source without a format reads plain prompts
         baselines.append(SourceAlone(target_chat(setting, names[0], models.source_tokenizer)))
-    methods = baselines + rows
+    methods = baselines + rows + (bands(models.target.config.num_layers) if config.diagnose else [])
     for method in methods:
         method.prepare(models)
     settings = Settings(config.batch_size, config.max_new_tokens, chat=chat)
@@ -248,9 +252,9 @@ def evaluate(workdir, config: ml_collections.ConfigDict, compare=(), out=None) -
             "Evaluating %s on %s with %s", task, config.data or "the synthetic set", ", ".join(m.name for m in methods)
         )
         watch = Progress(task, "example")
-        if task == "multi_agent":  # the source alone is not a row: the agents are the target's
+        if task == "multi_agent":  # no source alone (the agents are the target's) and no band diagnostic
             documents = examples(task, questions_per_example=config.agents)
-            agents = [m for m in methods if not m.swaps]
+            agents = [m for m in methods if not m.swaps and not isinstance(m, SwappedBand)]
             scores = evaluate_agents(models, agents, documents, settings, watch)
             for name, row in scores.items():
                 partial.recorder(task)(name, 0, row["predictions"])
