@@ -167,10 +167,11 @@ def test_a_tiny_run_trains_resumes_and_evaluates(tmp_path, monkeypatch):
     evaluation = small_config(tasks="extractive_qa", methods="native", ttft_lengths="32", memory=False)
     results = run.evaluate(tmp_path / "whole", evaluation, compare=[tmp_path / "resumed"], out=tmp_path / "eval")
     rows = results["tasks"]["extractive_qa"]["methods"]
-    assert list(rows) == ["native", "C2C", "C2C, shuffled source", "C2C [resumed]", "C2C [resumed], shuffled source"]
+    names = ["native", "source alone", "C2C", "C2C, shuffled source", "C2C [resumed]", "C2C [resumed], shuffled source"]
+    assert list(rows) == names
     assert rows["C2C"]["predictions"] == rows["C2C [resumed]"]["predictions"]
     timed = {r["method"]: r for r in results["latency"]}
-    assert set(timed) == {"native", "C2C", "C2C [resumed]"}
+    assert set(timed) == {"native", "source alone", "C2C", "C2C [resumed]"}
     stages = timed["C2C"]["stages"]  # the receiver's prefill runs in the translation stage, inside TTFT
     assert set(stages) == {"source_prefill", "translation", "answer"}
     assert timed["C2C"]["ttft_s"] == pytest.approx(stages["translation"] + stages["answer"])

@@ -267,6 +267,7 @@ def test_a_tiny_run_trains_resumes_and_evaluates(tmp_path, monkeypatch):
     rows = results["tasks"]["extractive_qa"]["methods"]
     names = [
         "native",
+        "source alone",
         "Interlat",
         "Interlat, shuffled source",
         "Interlat [resumed]",

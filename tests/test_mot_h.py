@@ -182,7 +182,14 @@ def test_a_tiny_run_trains_resumes_and_evaluates(tmp_path, monkeypatch):
     evaluation = small_config(tasks="extractive_qa", methods="native", ttft_lengths="32", memory=False)
     results = run.evaluate(tmp_path / "whole", evaluation, compare=[tmp_path / "resumed"], out=tmp_path / "eval")
     rows = results["tasks"]["extractive_qa"]["methods"]
-    names = ["native", "MoT-h", "MoT-h, shuffled source", "MoT-h [resumed]", "MoT-h [resumed], shuffled source"]
+    names = [
+        "native",
+        "source alone",
+        "MoT-h",
+        "MoT-h, shuffled source",
+        "MoT-h [resumed]",
+        "MoT-h [resumed], shuffled source",
+    ]
     assert list(rows) == names
     assert rows["MoT-h"]["predictions"] == rows["MoT-h [resumed]"]["predictions"]
     timed = {r["method"]: r for r in results["latency"]}
