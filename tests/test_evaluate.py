@@ -107,7 +107,7 @@ def test_native_answers_equal_the_target_reading_the_whole_prompt(pair, chat):
 def test_gold_log_probability_and_the_source_alone_equal_full_forwards(pair):
     """The gold answer's mean log-probability per token after the native cache equals a full forward's over prefix +
     suffix + " answer"; the source alone (the pair swapped) answers as the source generating from its own prompt in
-    one sequence, and its log-probability is the source's full forward's. Progress counts both passes."""
+    one sequence, and its log-probability is the source's full forward's. Progress counts answers, over both passes."""
     examples = synthetic.examples("extractive_qa", 3, seed=1)
     calls = []
     results = evaluate_examples(pair, [Native(), SourceAlone()], examples, SETTINGS, lambda *c: calls.append(c))
@@ -248,6 +248,7 @@ def test_a_failed_final_write_keeps_the_results_so_far_and_says_where(trained_wo
     rows = [json.loads(line) for line in (partial / "predictions.jsonl").read_text().splitlines()]
     names = ["no_context", "native", "source alone", "MoT replay", "MoT replay, shuffled source"]
     assert sorted((r["method"], r["index"]) for r in rows) == sorted((m, i) for m in names for i in range(4))
+    assert all({"f1", "exact_match", "logprob"} <= set(r) for r in rows)  # scored as they are written
     saved = json.loads((partial / "results.json").read_text())
     assert list(saved["tasks"]["extractive_qa"]["methods"]) == names
     assert not out.exists()

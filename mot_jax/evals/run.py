@@ -251,7 +251,7 @@ def evaluate(workdir, config: ml_collections.ConfigDict, compare=(), out=None) -
         logging.info(
             "Evaluating %s on %s with %s", task, config.data or "the synthetic set", ", ".join(m.name for m in methods)
         )
-        watch = Progress(task, "example")
+        watch = Progress(task, "example" if task == "multi_agent" else "answer")  # answer: a method's, one example
         if task == "multi_agent":  # no source alone (the agents are the target's) and no band diagnostic
             documents = examples(task, questions_per_example=config.agents)
             agents = [m for m in methods if not m.swaps and not isinstance(m, SwappedBand)]
@@ -264,7 +264,7 @@ def evaluate(workdir, config: ml_collections.ConfigDict, compare=(), out=None) -
             results["tasks"][task] = dict(examples=len(items), budgets=by_budget)
             for budget in budgets:
                 run = dataclasses.replace(settings, budget=budget)
-                watch = Progress(f"{task} at {budget} tokens", "example")
+                watch = Progress(f"{task} at {budget} tokens", "answer")
                 scores = evaluate_examples(models, methods, items, run, watch, partial.recorder(task, str(budget)))
                 by_budget[str(budget)] = add_paired_controls(add_retention(scores, "f1"))
                 partial.results(results)

@@ -69,16 +69,17 @@ class Options:
 
 def evaluate_examples(models, methods, examples, settings: Settings, progress=None, record=None) -> dict:
     """Scores of every method on the examples (extractive or closed-set): {method: {metric: value}, ...} plus
-    per-example predictions under "predictions". `progress(done, total)` is called after each batch and
-    `record(method name, first example index, predictions)` with each batch's predictions (partial results).
-    Methods that answer with the source (`SourceAlone`) run in a second pass over the same examples, with the pair
-    swapped."""
+    per-example predictions under "predictions". `progress(done, total)` counts answers (a method's on one example)
+    after each method's batch, so a slow batch of many methods still shows; `record(method name, first example
+    index, predictions)` takes each batch's predictions (partial results). Methods that answer with the source
+    (`SourceAlone`) run in a second pass over the same examples, with the pair swapped."""
     passes = [[m for m in methods if not m.swaps], [m for m in methods if m.swaps]]
     passes = [group for group in passes if group]
-    rows = {}
-    for k, group in enumerate(passes):
+    rows, total = {}, len(examples) * len(methods)
+    for group in passes:
         reader, reader_settings = group[0].reader(models, settings)
-        done = (lambda d, t, k=k: progress(k * t + d, len(passes) * t)) if progress else None
+        offset = len(examples) * len(rows)  # the answers of the passes before
+        done = (lambda d, offset=offset: progress(offset + d, total)) if progress else None
         rows |= answer_examples(reader, group, examples, reader_settings, done, record)
     closed = is_closed(examples)
     return {m.name: summarize(rows[m.name], examples, closed) for m in methods}
@@ -86,7 +87,8 @@ def evaluate_examples(models, methods, examples, settings: Settings, progress=No
 
 def answer_examples(models, methods, examples, settings: Settings, progress=None, record=None) -> dict:
     """Every method's raw rows (predictions, timings, bytes handed over) on the examples, answered by
-    `models.target`; open-answer predictions carry the gold answer's mean log-probability per token (`logprob`)."""
+    `models.target`; open-answer predictions carry the gold answer's mean log-probability per token (`logprob`).
+    `progress(answers so far)` after each method's batch."""
     closed = is_closed(examples)
     eos = tuple(models.target.config.eos_ids)
     rows = {m.name: dict(predictions=[], timed=[], handed=[]) for m in methods}
@@ -128,12 +130,13 @@ def answer_examples(models, methods, examples, settings: Settings, progress=None
                     prediction["likelihood_choice"] = example["choices"][int(np.argmax(scores[b]))]
                 else:
                     prediction["logprob"] = float(logprob[b])
+                    score(prediction, example)  # here too: the partial results carry it
                 batch.append(prediction)
             row["predictions"] += batch
             if record:
                 record(method.name, start, batch)
-        if progress:
-            progress(len(rows[methods[0].name]["predictions"]), len(examples))
+            if progress:
+                progress(sum(len(r["predictions"]) for r in rows.values()))
     return rows
 
 
@@ -154,6 +157,12 @@ def standard_error(values) -> float | None:
     return float(np.std(values, ddof=1) / np.sqrt(len(values))) if len(values) > 1 else None
 
 
+def score(prediction: dict, example: dict) -> None:
+    """An open answer's F1 and exact match against the example's gold answers, into the prediction."""
+    prediction["f1"] = metrics.f1(prediction["answer"], example["answers"])
+    prediction["exact_match"] = metrics.exact_match(prediction["answer"], example["answers"])
+
+
 def summarize(row, examples, closed: bool) -> dict:
     predictions = row["predictions"]
     if closed:
@@ -165,11 +174,8 @@ def summarize(row, examples, closed: bool) -> dict:
         )
     else:
         out = {}
-        for p, e in zip(predictions, examples):
-            p["f1"], p["exact_match"] = (
-                metrics.f1(p["answer"], e["answers"]),
-                metrics.exact_match(p["answer"], e["answers"]),
-            )
+        for prediction, example in zip(predictions, examples):
+            score(prediction, example)
         for metric in OPEN_METRICS:
             values = [p[metric] for p in predictions if metric in p]
             out[metric], out[f"{metric}_se"] = float(np.mean(values)) if values else None, standard_error(values)
