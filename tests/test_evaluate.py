@@ -242,7 +242,9 @@ def test_a_failed_final_write_keeps_the_results_so_far_and_says_where(trained_wo
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(run.report, "write", full)
-    with pytest.raises(MotJaxError, match=rf"No space left on device.*results so far are in {re.escape(str(out))}"):
+    with pytest.raises(
+        MotJaxError, match=rf"No space left on device.*the results are in {re.escape(str(out))}.partial"
+    ):
         run.evaluate(trained_workdir, config, out=out)
     partial = tmp_path / "eval.partial"
     rows = [json.loads(line) for line in (partial / "predictions.jsonl").read_text().splitlines()]
@@ -250,7 +252,7 @@ def test_a_failed_final_write_keeps_the_results_so_far_and_says_where(trained_wo
     assert sorted((r["method"], r["index"]) for r in rows) == sorted((m, i) for m in names for i in range(4))
     assert all({"f1", "exact_match", "logprob"} <= set(r) for r in rows)  # scored as they are written
     saved = json.loads((partial / "results.json").read_text())
-    assert list(saved["tasks"]["extractive_qa"]["methods"]) == names
+    assert list(saved["tasks"]["extractive_qa"]["methods"]) == names and saved["meta"]["target"] == "random:gemma3"
     assert not out.exists()
     monkeypatch.setattr(run.report, "write", real)
     run.evaluate(trained_workdir, config, out=out)

@@ -151,10 +151,13 @@ class Partial:
             rows = [
                 dict(task=task, budget=budget, method=method, index=start + i) | p for i, p in enumerate(predictions)
             ]
-            with_file = lambda f: f.write("".join(json.dumps(r) + "\n" for r in rows))  # noqa: E731
-            self._write(lambda: with_file((self.folder / "predictions.jsonl").open("a")))
+            self._write(lambda: self._append("".join(json.dumps(r) + "\n" for r in rows)))
 
         return record
+
+    def _append(self, text: str) -> None:
+        with (self.folder / "predictions.jsonl").open("a") as f:
+            f.write(text)
 
     def results(self, results: dict) -> None:
         clean, _ = report.split_predictions(results)
@@ -186,7 +189,7 @@ def write_report(out, results: dict, partial: Partial) -> None:
         report.write(out, results)
     except OSError as e:
         kept = (
-            f"the results so far are in {partial.folder} (results.json without the timings, predictions.jsonl)"
+            f"the results are in {partial.folder} (results.json, predictions.jsonl)"
             if partial.failed is None
             else f"the results so far could not be kept either ({partial.failed})"
         )
@@ -304,5 +307,6 @@ def evaluate(workdir, config: ml_collections.ConfigDict, compare=(), out=None) -
         date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         seconds=round(time.perf_counter() - began, 1),
     )
+    partial.results(results)  # all of them: the report's files but its plots
     write_report(out, results, partial)
     return results

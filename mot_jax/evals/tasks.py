@@ -244,7 +244,8 @@ def add_paired_controls(results: dict) -> dict:
 
 
 def is_translated(name: str) -> bool:
-    """A row of a trained translator (not a baseline, the source alone or a shuffled-source control)."""
+    """A row of a trained translator or a band diagnostic (not a baseline, the source alone or a shuffled-source
+    control)."""
     return name not in (*BASELINES, SOURCE_ALONE) and not name.endswith(SHUFFLED)
 
 
