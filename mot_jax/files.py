@@ -4,11 +4,15 @@ with the file and line named on any error."""
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
+import re
 import secrets
+import shutil
 from pathlib import Path
 
+from absl import logging
 from etils import epath
 
 from mot_jax.errors import MotJaxError
@@ -17,6 +21,20 @@ from mot_jax.errors import MotJaxError
 def _temporary_name(name: str) -> str:
     """A hidden name for staging `name` beside it, unique to this process and call."""
     return f".{name}.{os.getpid()}.{secrets.token_hex(4)}.partial"
+
+
+def remove_leftovers(path):
+    """Remove what writers of `path` that were killed left beside it (`atomic_file`'s and `atomic_folder`'s staging
+    and moved-aside copies). Call it holding the lock that writers of `path` hold, so no live writer's go."""
+    path = Path(path)
+    ours = re.compile(rf"\.{re.escape(path.name)}\.\d+\.[0-9a-f]{{8}}\.(partial|old)")
+    for leftover in path.parent.glob(f".{glob.escape(path.name)}.*"):
+        if ours.fullmatch(leftover.name):
+            logging.info("Removing %s, left by a killed writer", leftover)
+            if leftover.is_dir():
+                shutil.rmtree(leftover)
+            else:
+                leftover.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager

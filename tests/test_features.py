@@ -1,6 +1,10 @@
 """The feature cache (`data.feature_cache`, training/features.py): the stored features equal the ones computed live,
 a step from them gives the live step's loss and gradients, a cached run resumes exactly, and the refusals."""
 
+import hashlib
+import json
+from typing import NamedTuple
+
 import jax
 import numpy as np
 import pytest
@@ -98,3 +102,51 @@ def test_refusals():
             config_lib.check(kv_config(**overrides))
     config_lib.check(kv_config())  # the K/V-space objective passes
     config_lib.check(kv_config(**{"loss.ce_weight": 1.0, "data.feature_cache": False}))
+
+
+class Rows(NamedTuple):  # a batch as `features.build` reads it: rows on the first axis of `context`
+    context: np.ndarray
+
+
+def build_doubled(root):
+    """A feature table of two batches of two rows whose stored leaf is twice the rows (no models)."""
+    values = np.arange(8.0, dtype=np.float32).reshape(4, 2)
+    batches = [Rows(values[:2]), Rows(values[2:])]
+    return features.build(root, dict(test=1), lambda b: [b.context * 2], batches, len(values), "test rows")
+
+
+def test_a_killed_build_leaves_nothing_behind_the_next_build(tmp_path):
+    name = hashlib.sha256(json.dumps(dict(test=1)).encode()).hexdigest()[:24]  # the entry's name, as build makes it
+    killed = tmp_path / "features" / f".{name}.4242.0123abcd.partial"  # as atomic_folder names its staging
+    (killed / "leaf_0.npy").parent.mkdir(parents=True)
+    (killed / "leaf_0.npy").write_bytes(b"half")
+    other = tmp_path / "features" / f".{name}x.4242.0123abcd.partial"  # another entry's, maybe being built
+    other.mkdir()
+    path = build_doubled(tmp_path)
+    assert path.name == name and not killed.exists() and other.exists()
+    assert sorted(p.name for p in (tmp_path / "features").iterdir()) == sorted([name, other.name, f".{name}.lock"])
+
+
+@pytest.mark.parametrize("damage", ["cut", "meta"])
+def test_a_damaged_entry_is_built_again(tmp_path, damage, caplog):
+    path = build_doubled(tmp_path)
+    leaf = path / "leaf_0.npy"
+    if damage == "cut":
+        leaf.write_bytes(leaf.read_bytes()[:-8])
+    else:
+        (path / "meta.json").write_text("{")
+    assert build_doubled(tmp_path) == path
+    assert f"The feature cache entry {path} is damaged" in caplog.text
+    table = features.FeatureTable(path, layout=None)
+    np.testing.assert_array_equal(table.take([3]).leaves[0], [[12.0, 14.0]])
+
+
+def test_non_finite_values_on_disk_are_refused_naming_the_file(tmp_path):
+    path = build_doubled(tmp_path)
+    leaf = np.load(path / "leaf_0.npy", mmap_mode="r+")
+    leaf[2, 1] = np.float32(np.nan).view(leaf.dtype)  # stored as raw uint32
+    leaf.flush()
+    table = features.FeatureTable(path, layout=None)
+    table.take([0, 1])  # rows without the damage read
+    with pytest.raises(MotJaxError, match=rf"^The feature cache file {path / 'leaf_0.npy'} holds non-finite values"):
+        table.take([1, 2])

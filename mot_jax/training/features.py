@@ -33,8 +33,8 @@ import numpy as np
 from absl import logging
 from flax import struct
 
-from mot_jax.errors import MotJaxError
-from mot_jax.files import atomic_folder
+from mot_jax.errors import MotJaxError, cause
+from mot_jax.files import atomic_folder, remove_leftovers
 from mot_jax.jit import jit
 from mot_jax.paths import cache_lock, cache_root
 from mot_jax.progress import Progress
@@ -116,7 +116,28 @@ class FeatureTable:
 
     def take(self, indices) -> Features:
         indices = np.asarray(indices)
-        return Features(tuple(np.asarray(x[indices]).view(d) for x, d in zip(self.leaves, self.dtypes)), self.layout)
+        leaves = tuple(np.asarray(x[indices]).view(d) for x, d in zip(self.leaves, self.dtypes))
+        for i, x in enumerate(leaves):  # what the frozen models gave is finite: this is damage on disk
+            if jnp.issubdtype(x.dtype, jnp.inexact) and not np.isfinite(x).all():
+                raise MotJaxError(
+                    f"The feature cache file {self.path / f'leaf_{i}.npy'} holds non-finite values (damaged on disk); "
+                    f"delete {self.path} and run again to rebuild it."
+                )
+        return Features(leaves, self.layout)
+
+
+def _damage(path: Path) -> str | None:
+    """What makes a built cache entry unreadable, naming the file (None: it reads)."""
+    file = path / "meta.json"
+    try:
+        meta = json.loads(file.read_text())
+        for i in range(len(meta["dtypes"])):
+            file = path / f"leaf_{i}.npy"
+            if len(np.load(file, mmap_mode="r")) != meta["count"]:
+                return f"{file} does not hold {meta['count']} chunks"
+    except (OSError, ValueError, KeyError, TypeError) as e:  # a missing, cut or overwritten file
+        return f"{file}: {cause(e)}"
+    return None
 
 
 def _digest(*arrays) -> str:
@@ -138,9 +159,13 @@ def build(root: Path, key: dict, compute, batches: list, count: int, what: str) 
     `batches` (the last may end in padding rows), built first where missing."""
     name = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:24]
     path = root / "features" / name
-    if not (path / "meta.json").is_file():
+    if _damage(path):  # missing, or unreadable
         with cache_lock(path):  # another process may be building it: wait, then look again
-            if not (path / "meta.json").is_file():
+            remove_leftovers(path)  # of a build that was killed
+            damage = _damage(path)
+            if damage and path.exists():
+                logging.warning("The feature cache entry %s is damaged (%s); building it again.", path, damage)
+            if damage:
                 _write(path, key, compute, batches, count, what)
     logging.info("Feature cache of the %s (%d chunks): %s", what, count, path)
     return path
