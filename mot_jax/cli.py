@@ -5,13 +5,16 @@ from __future__ import annotations
 import logging as std_logging
 import os
 import re
+import signal
 import sys
+import threading
 
 from absl import flags, logging
 from ml_collections import config_flags
 
-from mot_jax.errors import MotJaxError
+from mot_jax.errors import MotJaxError, Terminated
 
+HELP = {"-?", "-help", "--help", "--helpshort", "--helpfull", "--helpxml"}  # absl's help flags
 QUOTES = re.compile(r"""[\\'"]""")  # ml_collections quotes key names in its KeyError text
 
 
@@ -36,7 +39,12 @@ def config_flags_parser(config_flag, keys_listed_in: str):
 
     def parse(argv):
         try:
-            rest = flags.FLAGS(argv)
+            try:
+                rest = flags.FLAGS(argv)
+            except SystemExit:  # absl exits 1 after printing the help that --help asked for
+                if any(a.split("=")[0] in HELP for a in argv[1:]):
+                    sys.exit(0)
+                raise
             config_flag.value.to_dict()  # a config file that failed to load raises only when its config is used
             return rest
         except Exception as e:  # config files run user code: any error there is a usage error
@@ -63,12 +71,24 @@ def fail(message: str, status: int = 2):
     sys.exit(status)
 
 
+def _terminate(signum, frame):
+    raise Terminated
+
+
 def run_or_exit(fn, *args, **kwargs):
     """Run `fn`; a MotJaxError (bad input, explained in one sentence) ends the program in one line (exit 2, or the
-    error's `exit_status`), and so does Ctrl-C (130)."""
+    error's `exit_status`), and so do Ctrl-C (130) and SIGTERM (143), which `fn` sees as a KeyboardInterrupt (to
+    checkpoint before it stops)."""
+    main_thread = threading.current_thread() is threading.main_thread()  # only it may set a signal handler
+    previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
     try:
         return fn(*args, **kwargs)
     except MotJaxError as e:
         fail(str(e), getattr(e, "exit_status", 2))
+    except Terminated:
+        fail("terminated (SIGTERM)", 128 + signal.SIGTERM)
     except KeyboardInterrupt:
         fail("interrupted", 130)
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)

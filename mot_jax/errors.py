@@ -9,3 +9,8 @@ def cause(e: Exception) -> str:
     """The first line of an exception's message (its type name when it has none), to quote inside one sentence."""
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (what SLURM and TPU preemption send), raised like Ctrl-C's KeyboardInterrupt so that work stops the
+    same way: checkpointed, said in one line (mot_jax.cli.run_or_exit)."""

@@ -6,7 +6,7 @@ import numpy as np
 from test_trainer import tiny_config, trainer_for
 from training_helpers import tiny_batch
 
-from mot_jax.training.report import evaluation_table
+from mot_jax.training.report import closing_report, evaluation_table
 from mot_jax.training.setup import make_mesh
 from mot_jax.training.trainer import shuffled_source
 
@@ -60,3 +60,19 @@ def test_a_tiny_run_reports_the_shuffled_row_and_the_retrieval_column(tiny_run):
     assert held_out["retrieval"]["native"] != held_out["native"]  # other prompts: the copied spans
     table = evaluation_table(held_out)
     assert "| translated (shuffled source) |" in table and "-" not in table.replace("---", "")
+
+
+def test_the_closing_report_names_the_checkpoint_its_table_describes(tiny_run):
+    workdir, summary = tiny_run
+    assert summary["best"]["step"] == 2 and (workdir / "best" / "2").is_dir()  # steps=2: the last is the only one
+    first = closing_report(summary, workdir, 0).splitlines()[0]
+    assert first == (
+        "Held-out prompt CE of the translator at the last step (step 2, in checkpoints/ and best/: its validation "
+        "loss is the lowest):"
+    )
+    worse_than_before = summary | dict(steps=30, best=dict(step=10, validation_loss=4.9625))
+    first = closing_report(worse_than_before, workdir, 0).splitlines()[0]
+    assert first == (
+        "Held-out prompt CE of the translator at the last step (step 30, in checkpoints/; best/ keeps step 10, whose "
+        "validation loss 4.9625 is the lowest):"
+    )

@@ -2,7 +2,9 @@
 line and keeps only checkpoints that are good."""
 
 import errno
+import json
 import math
+import shutil
 import signal
 import subprocess
 import sys
@@ -10,6 +12,8 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
+import orbax.checkpoint as ocp
 import pytest
 from conftest import one_device_command_env
 from orbax.checkpoint._src.handlers import json_checkpoint_handler
@@ -25,12 +29,39 @@ FAST = {"translator.channels.mode": "terminal"}  # no channel search: one traine
 
 
 @pytest.mark.parametrize(
-    "key,value", [("batch_size", -2), ("batch_size", 0), ("grad_accum", 0), ("steps", -5), ("checkpoint_every", 0)]
+    "key,value,least",
+    [
+        ("batch_size", -2, 1),
+        ("batch_size", 0, 1),
+        ("grad_accum", 0, 1),
+        ("steps", -5, 1),
+        ("checkpoint_every", 0, 1),
+        ("data.train_chunks", -1, 0),  # would drop the table's last chunk
+        ("translator.heads", 0, 1),  # these three divided by zero
+        ("translator.dim", 0, 1),
+        ("translator.shared_slots", 0, 1),
+    ],
 )
-def test_bad_counts_are_refused_before_anything_is_written(tmp_path, key, value):
-    with pytest.raises(MotJaxError, match=rf"^{key}={value} must be a whole number of at least 1"):
+def test_bad_counts_are_refused_before_anything_is_written(tmp_path, key, value, least):
+    with pytest.raises(MotJaxError, match=rf"^{key}={value} must be a whole number of at least {least}; pass "):
         loop.train_and_evaluate(load_config(**{key: value}), tmp_path / "run")
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("key", ["loss.ce_weight", "loss.distill_weight", "loss.attention_weight"])
+def test_negative_loss_weights_are_refused(tmp_path, key):
+    # a negative weight trains the translator to make that term larger
+    with pytest.raises(MotJaxError, match=rf"^{key}=-0.5 must be a finite number of at least 0; pass --config.{key}="):
+        loop.train_and_evaluate(load_config(**{key: -0.5}), tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_empty_workdir_is_refused_not_the_current_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for workdir in ("", " "):
+        with pytest.raises(MotJaxError, match="^--workdir is empty; pass --workdir=DIR"):
+            loop.train_and_evaluate(load_config(), workdir)
+    assert not list(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize(
@@ -150,13 +181,13 @@ def test_a_failed_save_stops_the_run_and_keeps_the_last_checkpoint(tmp_path, mon
     checkpoints.close()
 
 
-@pytest.mark.slow
-def test_ctrl_c_stops_in_one_line_and_exits(tmp_path):
+def signalled_run(workdir, signum: int, at_call: int):
+    """The tiny run of 6 steps (checkpoints every 2) that sends itself `signum` as its `at_call`-th step starts."""
     script = (
         "import os, signal; from mot_jax.training import loop; step = loop.Trainer.train_step\n"
         "def interrupting(self, batches, calls=[0]):\n"
         "    calls[0] += 1\n"
-        "    if calls[0] == 3: os.kill(os.getpid(), signal.SIGINT)\n"
+        f"    if calls[0] == {at_call}: os.kill(os.getpid(), {signum})\n"
         "    return step(self, batches)\n"
         "loop.Trainer.train_step = interrupting\n"
         "from mot_jax import train; train.run()"
@@ -166,7 +197,7 @@ def test_ctrl_c_stops_in_one_line_and_exits(tmp_path):
         "-c",
         script,
         *TINY,
-        f"--workdir={tmp_path}",
+        f"--workdir={workdir}",
         "--config.steps=6",
         "--config.checkpoint_every=2",
         "--config.translator.channels.mode=terminal",
@@ -174,10 +205,66 @@ def test_ctrl_c_stops_in_one_line_and_exits(tmp_path):
     result = subprocess.run(
         command, cwd=ROOT, env=one_device_command_env(), capture_output=True, text=True, timeout=300
     )
+    assert "Traceback" not in result.stderr and "cannot schedule" not in result.stderr, result.stderr[-2000:]
+    return result, [line for line in result.stderr.splitlines() if line.startswith("error:")]
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_in_one_line_and_exits(tmp_path):
+    result, errors = signalled_run(tmp_path, signal.SIGINT, at_call=3)  # step 3 not begun: step 2 is saved
     assert result.returncode == 128 + signal.SIGINT, result.stderr[-2000:]
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert errors == [
         f"error: interrupted after step 2; the last checkpoint is step 2 in {tmp_path}; run the same command to resume."
     ], result.stderr[-2000:]
-    assert "Traceback" not in result.stderr and "cannot schedule" not in result.stderr
     assert np.isfinite(Checkpoints(as_path(tmp_path), 3).read_meta(2)["best_validation_loss"])
+
+
+@pytest.mark.slow
+def test_sigterm_checkpoints_where_it_stopped_says_so_and_exits(tmp_path):
+    # what SLURM and TPU preemption send: like Ctrl-C, and the steps done since the last checkpoint are saved
+    result, errors = signalled_run(tmp_path, signal.SIGTERM, at_call=4)
+    assert result.returncode == 128 + signal.SIGTERM, result.stderr[-2000:]
+    assert errors == [
+        f"error: terminated (SIGTERM) after step 3; checkpointed step 3 in {tmp_path}; run the same command to resume."
+    ], result.stderr[-2000:]
+    checkpoints = Checkpoints(as_path(tmp_path), 3)
+    meta = checkpoints.read_meta(3)
+    assert meta["data_position"] == 3 * json.loads(meta["config"])["grad_accum"]  # resumes at step 4's batches
+    state = ocp.StandardCheckpointer().restore(tmp_path / "checkpoints" / "3" / "state")
+    assert int(optax.tree_utils.tree_get_all_with_path(state["opt_state"], "count")[0][1]) == 3  # 3 updates
+    checkpoints.close()
+
+
+def test_a_refusal_after_the_workdir_was_made_leaves_no_empty_shell(tmp_path):
+    with pytest.raises(MotJaxError, match="Unknown tiny model"):  # refused once the workdir is made and locked
+        loop.train_and_evaluate(load_config(source="random:nope"), tmp_path / "new" / "run")
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["new"]  # the folder above was there to hold it
+    (tmp_path / "mine").mkdir()  # a folder the user made stays, even empty
+    with pytest.raises(MotJaxError, match="Unknown tiny model"):
+        loop.train_and_evaluate(load_config(source="random:nope"), tmp_path / "mine")
+    assert (tmp_path / "mine").is_dir()
+
+
+def test_help_exits_0():
+    result = subprocess.run(
+        [sys.executable, "-m", "mot_jax.train", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0 and "--workdir" in result.stdout, result.stderr[-2000:]
+
+
+def test_a_resume_refuses_changes_to_what_a_step_computes_and_records_the_rest(tiny_run, tmp_path):
+    workdir = shutil.copytree(tiny_run[0], tmp_path / "run")  # load_config(steps=2) trained there
+    changed = load_config(steps=3, seed=1, **{"optim.learning_rate": 0.5})
+    with pytest.raises(
+        MotJaxError,
+        match=rf"^{workdir} was trained to step 2 with optim.learning_rate=\S+ \(now 0.5\), seed=42 \(now 1\); "
+        "resume with the values it was started with, or pass a new --workdir.$",
+    ):
+        loop.train_and_evaluate(changed, workdir)
+    summary = loop.train_and_evaluate(load_config(steps=3, eval_every=3), workdir)  # more steps: recorded
+    changes = [dict(step=2, changes=dict(eval_every=[2, 3], steps=[2, 3]))]
+    assert summary["config_changes"] == changes
+    assert json.loads((workdir / "config.json").read_text())["steps"] == 3  # the config trained on now
+    checkpoints = Checkpoints(as_path(workdir), 3)
+    assert checkpoints.read_meta(3)["config_changes"] == changes
+    checkpoints.close()

@@ -6,6 +6,8 @@ config, so a misspelt `--config.key=value` fails instead of being ignored.
 
 from __future__ import annotations
 
+import math
+
 import ml_collections
 
 from mot_jax.errors import MotJaxError
@@ -148,26 +150,47 @@ def parse_arg(arg: str | None, allowed=("tiny",)) -> str | None:
 
 
 # keys that count or divide: each must be a whole number of at least this
-COUNTS = dict(
-    steps=1,
-    batch_size=1,
-    grad_accum=1,
-    log_every=1,
-    eval_every=1,
-    checkpoint_every=1,
-    keep_checkpoints=1,
-    eval_batches=1,
-    final_eval_batches=0,
-)
+COUNTS = {
+    "steps": 1,
+    "batch_size": 1,
+    "grad_accum": 1,
+    "log_every": 1,
+    "eval_every": 1,
+    "checkpoint_every": 1,
+    "keep_checkpoints": 1,
+    "eval_batches": 1,
+    "final_eval_batches": 0,
+    "data.train_chunks": 0,  # 0: the whole table
+    "translator.dim": 1,
+    "translator.heads": 1,
+    "translator.num_experts": 1,
+    "translator.top_k": 1,
+    "translator.shared_slots": 1,
+    "translator.shared_dim": 1,
+}
+# each loss term's weight: a negative one would train the translator to maximise that term
+WEIGHTS = [f"loss.{k}" for k in base().loss]
+
+
+def lookup(c: ml_collections.ConfigDict, key: str):
+    for part in key.split("."):
+        c = c[part]
+    return c
 
 
 def check(c: ml_collections.ConfigDict):
-    """Refuse counts that cannot run (before anything is loaded or written)."""
+    """Refuse counts and weights that cannot run (before anything is loaded or written)."""
     for key, least in COUNTS.items():
-        value = c[key]
+        value = lookup(c, key)
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise MotJaxError(
                 f"{key}={value!r} must be a whole number of at least {least}; pass --config.{key}=N with N >= {least}."
+            )
+    for key in WEIGHTS:
+        value = lookup(c, key)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
+            raise MotJaxError(
+                f"{key}={value!r} must be a finite number of at least 0; pass --config.{key}=W with W >= 0."
             )
     if c.data.get("feature_cache"):
         if c.loss.get("ce_weight", 1.0) or c.loss.distill_weight:

@@ -21,7 +21,7 @@ from absl import logging
 from etils import epath
 
 from mot_jax import multihost
-from mot_jax.errors import MotJaxError
+from mot_jax.errors import MotJaxError, Terminated
 from mot_jax.locks import file_lock
 from mot_jax.paths import as_path, cache_root
 from mot_jax.training import config as config_lib
@@ -29,11 +29,12 @@ from mot_jax.training import data
 from mot_jax.training.channel_search import resolve_channels
 from mot_jax.training.checkpoint import Checkpoints
 from mot_jax.training.features import attach_features
-from mot_jax.training.report import Logger, evaluation_table
+from mot_jax.training.report import Logger, closing_report
 from mot_jax.training.setup import (
     Datasets,
     Pair,
     check_identity,
+    config_changes,
     identity,
     load_pair,
     make_datasets,
@@ -45,7 +46,13 @@ from mot_jax.translate import channels
 
 
 class Interrupted(MotJaxError):
-    exit_status = 130  # the shell's status for Ctrl-C
+    def __init__(self, message: str, terminated: bool):
+        super().__init__(message)
+        self.exit_status = 143 if terminated else 130  # the shell's status for SIGTERM, Ctrl-C
+
+
+def lock_name(process: int) -> str:
+    return ".lock" if process == 0 else f".lock.{process}"
 
 
 def workdir_lock(workdir: epath.Path):
@@ -56,7 +63,7 @@ def workdir_lock(workdir: epath.Path):
     stack = contextlib.ExitStack()
     if "://" not in str(workdir):
         i = jax.process_index()
-        path = Path(workdir) / (".lock" if i == 0 else f".lock.{i}")
+        path = Path(workdir) / lock_name(i)
         busy = f"Another training run is using {workdir}; wait for it to end, or pass a new --workdir."
         try:
             stack.enter_context(file_lock(path, busy=busy))
@@ -65,13 +72,41 @@ def workdir_lock(workdir: epath.Path):
     return stack
 
 
+@contextlib.contextmanager
+def removed_on_failure_if_empty(workdir: epath.Path, made: bool):
+    """A workdir this run made is removed again when the run fails before writing anything there but its lock and
+    empty folders (a refusal leaves no empty shell behind). Runs inside the lock: the lock file goes first, then the
+    empty folders (rmdir: never a file another process has written since)."""
+    try:
+        yield
+    except BaseException:
+        root = Path(workdir)
+        if made and "://" not in str(workdir):
+            paths = sorted(root.rglob("*"), key=lambda p: -len(p.parts))  # the deepest first
+            if all(p.is_dir() or (p.parent == root and p.name.startswith(".lock")) for p in paths):
+                with contextlib.suppress(OSError):
+                    (root / lock_name(jax.process_index())).unlink(missing_ok=True)
+                    for p in [*(p for p in paths if p.is_dir()), root]:
+                        p.rmdir()
+        raise
+
+
+def savable(trainer: Trainer, batches) -> bool:
+    """Whether the state of a run that stops early can be checkpointed: it gives a finite loss, and the run is one
+    process (the processes of a run may stop at different steps, and saving is collective)."""
+    return jax.process_count() == 1 and math.isfinite(trainer.evaluate(batches)["loss"])
+
+
 def train_and_evaluate(config, workdir) -> dict:
     """Train (or resume) the config's translator in `workdir`; returns the final summary."""
     config_lib.check(config)
+    if not str(workdir or "").strip():  # as_path("") is the current directory
+        raise MotJaxError("--workdir is empty; pass --workdir=DIR, the folder for the run's checkpoints and logs.")
     mesh = make_mesh(config)
     workdir = as_path(workdir)
+    made = not workdir.exists()
     workdir.mkdir(parents=True, exist_ok=True)
-    with workdir_lock(workdir):
+    with workdir_lock(workdir), removed_on_failure_if_empty(workdir, made):
         multihost.check_shared(workdir)
         with multihost.prepare_lock(cache_root()):  # processes on one host: the first builds caches, the others read
             pair = load_pair(config)
@@ -98,8 +133,15 @@ def train_in(workdir, config, mesh, pair: Pair, datasets: Datasets, checkpoints:
         channel_map = resolve_channels(config, pair, datasets, mesh, workdir)
     spec, tcfg = translation(config, channel_map, pair)
     current = identity(config, spec, tcfg, pair)
+    changes = meta.get("config_changes", [])  # [{step, changes: {key: [before, after]}}], oldest first
     if start:
         check_identity(meta["identity"], current, workdir)
+        changed = config_changes(meta["config"], config, workdir, start)
+        if changed:
+            changes = [*changes, dict(step=start, changes=changed)]
+            logging.info(
+                "Resumed at step %d with %s", start, ", ".join(f"{k}: {a} -> {b}" for k, (a, b) in changed.items())
+            )
     trainer = Trainer(config, pair, spec, tcfg, mesh, config.steps)
     validation = datasets.validation[: config.eval_batches]
     held_out = datasets.validation[config.eval_batches :][: config.final_eval_batches] or validation
@@ -111,15 +153,16 @@ def train_in(workdir, config, mesh, pair: Pair, datasets: Datasets, checkpoints:
         trainer.state = checkpoints.restore(trainer.state, start)
         logging.info("Resumed from step %d in %s", start, workdir)
         initial, best = meta["initial_validation"], meta["best_validation_loss"]
+        best_step = checkpoints.best.latest_step()
     else:
         if tcfg.linear_skip:
             start_linear_skip(trainer, datasets.train, config.translator.skip_fit_batches)
         initial = trainer.evaluate(validation) | dict(
             held_out_ce=trainer.evaluate(held_out)["ce"], held_out_retrieval_ce=trainer.evaluate(retrieval)["ce"]
         )
-        best = math.inf
-        if jax.process_index() == 0:
-            (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
+        best, best_step = math.inf, None
+    if jax.process_index() == 0:  # the config the run trains on now (a resume may have changed safe keys)
+        (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
     logging.info("Translator: %d parameters; channel map %s", count_params(trainer.state["params"]), channel_map)
     accum = config.grad_accum
     tokens_per_step = config.batch_size * accum * config.data.total_tokens
@@ -134,10 +177,11 @@ def train_in(workdir, config, mesh, pair: Pair, datasets: Datasets, checkpoints:
             config=config.to_json_best_effort(),
             initial_validation=initial,
             best_validation_loss=best,
+            config_changes=changes,
         )
 
     def on_step(step, metrics, seconds):
-        nonlocal best, last_saved, last_validation, done
+        nonlocal best, best_step, last_saved, last_validation, done
         done = step
         logger.step(step, metrics, seconds, float(trainer.schedule(step - 1)))
         checkpoints.check()  # a background save that failed stops the run at once
@@ -148,6 +192,7 @@ def train_in(workdir, config, mesh, pair: Pair, datasets: Datasets, checkpoints:
             logger.scalars(step, val, "validation")
             logging.info("step %d: validation loss %.4f (ce %.4f)", step, val["loss"], val["ce"])
             improved, best, last_validation = val["loss"] < best, min(best, val["loss"]), val
+            best_step = step if improved else best_step
         if step % config.checkpoint_every == 0 or last:
             # this step's training loss came from the state before its update: check the state to be saved itself
             loss = (val or trainer.evaluate(validation[:1]))["loss"]
@@ -164,10 +209,17 @@ def train_in(workdir, config, mesh, pair: Pair, datasets: Datasets, checkpoints:
         raise MotJaxError(
             f"{e} (non-finite); stopped, {kept} in {workdir}; lower --config.optim.learning_rate or use float32."
         ) from None
-    except KeyboardInterrupt:
-        kept = f"the last checkpoint is step {last_saved}" if last_saved else "no checkpoint was written"
-        message = f"interrupted after step {done}; {kept} in {workdir}; run the same command to resume."
-        raise Interrupted(message) from None
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (cli.run_or_exit raises it as Terminated)
+        held = trainer.steps_done()  # None: the state was lost with the step in flight
+        done = done if held is None else held
+        if held is not None and held > last_saved and savable(trainer, validation[:1]):
+            checkpoints.save(done, trainer.state, meta_at(done))
+            kept = f"checkpointed step {done}"
+        else:
+            kept = f"the last checkpoint is step {last_saved}" if last_saved else "no checkpoint was written"
+        stopped = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
+        message = f"{stopped} after step {done}; {kept} in {workdir}; run the same command to resume."
+        raise Interrupted(message, isinstance(e, Terminated)) from None
     finally:
         logger.close()
     results = trainer.baselines(held_out) | dict(untrained=initial["held_out_ce"])
@@ -179,15 +231,11 @@ def train_in(workdir, config, mesh, pair: Pair, datasets: Datasets, checkpoints:
         final_validation=last_validation or trainer.evaluate(validation),  # the last step is always validated
         initial_validation=initial,
         held_out=results,
+        best=dict(step=best_step, validation_loss=best),  # the checkpoint in best/; the table is the last step's
+        config_changes=changes,
         channel_map=json.loads(channel_map.to_json()),
     )
     if jax.process_index() == 0:
         (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
-        print(evaluation_table(results))
-        print(
-            f"done: {config.steps} steps ({config.steps - start} this run) in {summary['seconds']:.0f} s; validation "
-            f"loss {summary['final_validation']['loss']:.4f} (untrained {initial['loss']:.4f}); prompt CE "
-            f"translated {results['translated']:.4f}, native {results['native']:.4f}, no context "
-            f"{results['no_context']:.4f}; checkpoints in {workdir / 'checkpoints'}"
-        )
+        print(closing_report(summary, workdir, start))
     return summary

@@ -80,3 +80,31 @@ def evaluation_table(results: dict) -> str:
         if results.get(key) is not None or retrieval.get(key) is not None
     ]
     return markdown_table(("method", "prompt CE", "perplexity", "retrieval CE", "retrieval perplexity"), rows)
+
+
+def closing_report(summary: dict, workdir, start: int) -> str:
+    """What a finished run prints: the held-out table, naming the checkpoint it describes (the last step's, which
+    need not be best/'s), and a line of totals."""
+    steps, results, best, initial = (
+        summary["steps"],
+        summary["held_out"],
+        summary["best"],
+        summary["initial_validation"],
+    )
+    if best["step"] == steps:
+        which = f"step {steps}, in checkpoints/ and best/: its validation loss is the lowest"
+    else:
+        which = (
+            f"step {steps}, in checkpoints/; best/ keeps step {best['step']}, whose validation loss "
+            f"{best['validation_loss']:.4f} is the lowest"
+        )
+    return "\n".join(
+        [
+            f"Held-out prompt CE of the translator at the last step ({which}):",
+            evaluation_table(results),
+            f"done: {steps} steps ({steps - start} this run) in {summary['seconds']:.0f} s; validation loss "
+            f"{summary['final_validation']['loss']:.4f} (untrained {initial['loss']:.4f}); prompt CE translated "
+            f"{results['translated']:.4f}, native {results['native']:.4f}, no context {results['no_context']:.4f}; "
+            f"checkpoints in {workdir}/checkpoints",
+        ]
+    )

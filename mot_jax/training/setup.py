@@ -156,3 +156,31 @@ def check_identity(saved: dict, current: dict, workdir: epath.Path):
             f"{workdir} holds a run of another experiment (it differs in: {', '.join(differ)}); pass a new --workdir, "
             "or the config that made it."
         )
+
+
+# what a resumed run may change: how long it trains, how it reports and where it runs, not what a step computes
+RESUMABLE = {"steps", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "final_eval_batches"}
+RESUMABLE |= {"data.data_dir", "mesh.data", "mesh.expert", "mesh.fsdp"}
+
+
+def flat(tree: dict, prefix: str = "") -> dict:
+    """A nested dict's leaves by dotted key."""
+    out = {}
+    for k, v in tree.items():
+        out |= flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v}
+    return out
+
+
+def config_changes(saved: str, config, workdir, step: int) -> dict:
+    """{key: [saved value, value now]} of the keys that resuming the run saved with config `saved` (JSON) at `step`
+    changes; a change of any key outside RESUMABLE would make the run's record false, and is refused. Keys one side
+    lacks (added since, or dropped) count as unchanged."""
+    before, now = flat(json.loads(saved)), flat(json.loads(config.to_json_best_effort()))
+    changed = {k: [before[k], now[k]] for k in sorted(before.keys() & now.keys()) if before[k] != now[k]}
+    refused = [f"{k}={changed[k][0]!r} (now {changed[k][1]!r})" for k in changed if k not in RESUMABLE]
+    if refused:
+        raise MotJaxError(
+            f"{workdir} was trained to step {step} with {', '.join(refused)}; resume with the values it was started "
+            "with, or pass a new --workdir."
+        )
+    return changed

@@ -159,6 +159,11 @@ class Trainer:
         self.state, metrics = self._train(self.state, self.llm_states, self.place(batches, micro=True))
         return metrics
 
+    def steps_done(self) -> int | None:
+        """The updates the state holds (None when a step was interrupted after the state was handed to it)."""
+        count = optax.tree_utils.tree_get_all_with_path(self.state["opt_state"], "count")[0][1]
+        return None if count.is_deleted() else int(count)
+
     def evaluate(self, batches, fn=None) -> dict:
         fn = fn or self._eval
         results = [fn(self.state["params"], self.llm_states, self.place(b, micro=False)) for b in batches]
