@@ -35,10 +35,15 @@ flags.mark_flags_as_required(["workdir"])
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
+    config = flags.FLAGS.config
+    if config.kvcomm.calib_size < 1:  # the calibration would measure nothing
+        fail(
+            f"kvcomm.calib_size={config.kvcomm.calib_size} leaves the kvcomm calibration no sequence to measure; "
+            "pass --config.kvcomm.calib_size=N with N >= 1."
+        )
     log_info_quietly()
     from mot_jax.evals import report, run  # after flag parsing: importing jax is slow
 
-    config = flags.FLAGS.config
     if _TASK.value:
         config.tasks = _TASK.value
     if _DATA.value is not None:

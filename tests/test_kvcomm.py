@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -269,3 +272,13 @@ def test_kvcomm_row_in_an_evaluation_of_a_homogeneous_pair(tmp_path):
     assert rows[name]["handed_bytes"] > 0 and rows[name]["ttft_with_source_s"] > rows[name]["ttft_s"] > 0
     assert rows[name]["planned_bytes"] > 0 and rows[name]["target_kv_bytes"] < rows["native"]["target_kv_bytes"]
     assert f"| {name} |" in (out / "results.md").read_text()
+
+
+def test_no_calibration_sequence_is_refused_in_one_line(tmp_path):
+    # calib_size=0 was reported as a calibration text too short for one sequence
+    command = [sys.executable, "-m", "mot_jax.evaluate", f"--workdir={tmp_path}", "--config.kvcomm.calib_size=0"]
+    result = subprocess.run(command, cwd=Path(__file__).parents[1], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and result.stderr.splitlines() == [
+        "error: kvcomm.calib_size=0 leaves the kvcomm calibration no sequence to measure; pass "
+        "--config.kvcomm.calib_size=N with N >= 1."
+    ], result.stderr[-2000:]
