@@ -1,14 +1,19 @@
 """Shared layers against closed forms and transformers' own helpers."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 import torch
 from flax import nnx
 from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from mot_jax.models import base, tiny
 from mot_jax.models.layers import attention, param, rope_inv_freq
+from mot_jax.models.registry import FAMILIES, build_model
 
 
 def naive_attention(q, k, v, q_pos, k_pos, k_valid, scale, window, softcap):
@@ -85,3 +90,27 @@ def test_param_init_equals_jax_random_normal_eagerly_and_under_eval_shape():
                 assert const.dtype == dtype and const.shape == shape and (np.asarray(const) == fill).all()
     traced = nnx.eval_shape(lambda: param(nnx.Rngs(0).params(), (4, 6), (None, None), jnp.bfloat16))
     assert traced.get_value().shape == (4, 6) and traced.get_value().dtype == jnp.bfloat16
+
+
+def dots_of(hlo: str):
+    """(result dtype, lhs dtype, rhs dtype) of every dot in HLO text (operands looked up by name: names are unique)."""
+    dtypes = dict(re.findall(r"%([\w.\-]+) = (\w+)\[", hlo))
+    dots = re.findall(r"= (\w+)\[[^\n]*? dot\(%([\w.\-]+), %([\w.\-]+)\)", hlo)
+    return [(out, dtypes[lhs], dtypes[rhs]) for out, lhs, rhs in dots]
+
+
+@pytest.mark.parametrize("family", ["gpt2", "opt", "qwen2", "gemma3"])
+def test_bfloat16_prefill_compiles_every_dot_on_bf16_operands_into_f32(family, monkeypatch):
+    """The compiled bf16 prefill (blocked attention included) has no dot whose operands were converted to f32 first
+    (XLA:CPU's slow bf16 path) nor a bf16 -> bf16 dot: each takes bf16 and accumulates in f32 (layers.einsum). And it
+    runs, with decoding after it (XLA:CPU has no fallback for a bf16 x bf16 -> f32 dot its fast kernel refuses)."""
+    config = tiny.hf_config(f"random:{family}")
+    model = build_model(FAMILIES[config["model_type"]][0].config_from_hf(config), jnp.bfloat16)
+    monkeypatch.setattr(base, "PREFILL_BLOCK", 8)  # 16 tokens: two causal query blocks
+    ids = jnp.ones((2, 16), jnp.int32)
+    dots = dots_of(base.prefill.lower(model, ids).compile().as_text())
+    # per layer q, k, v (or GPT-2's one packed projection), out, 2 or 3 MLP, 2 blocks x (scores, values); the head
+    assert len(dots) >= 9, dots
+    assert set(dots) == {("f32", "bf16", "bf16")}, dots
+    tokens = base.generate(model, ids, max_new_tokens=3)
+    assert tokens.shape == (2, 3) and bool((tokens >= 0).all())

@@ -12,7 +12,7 @@ from flax import nnx, struct
 from mot_jax.errors import MotJaxError
 from mot_jax.jit import jit
 from mot_jax.models.cache import KVCache
-from mot_jax.models.layers import GLOBAL_WINDOW, attention_weights
+from mot_jax.models.layers import GLOBAL_WINDOW, attention_weights, einsum
 
 PREFILL_BLOCK = 512  # query block of a prefill into an empty cache (causal blocks above the diagonal are skipped)
 # Families whose cached keys carry RoPE (decoder.RotaryLM); GPT-2 and OPT add learned position embeddings instead.
@@ -152,7 +152,7 @@ class LayerCache:
             )
             if topk:  # the keys this layer attends to most, averaged over heads: [B, block, topk]
                 tops.append(jax.lax.top_k(probs.mean(axis=(1, 2)), topk)[1].astype(jnp.int32))
-            outs.append(jnp.einsum("bkgts,bksd->btkgd", probs.astype(v_layer.dtype), v_layer[:, :, :keys]))
+            outs.append(einsum("bkgts,bksd->btkgd", probs.astype(v_layer.dtype), v_layer[:, :, :keys]))
         if topk:
             self.topk_indices = jnp.concatenate(tops, axis=1)
         return jnp.concatenate(outs, axis=1).reshape(*q.shape[:2], -1)

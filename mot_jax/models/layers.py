@@ -47,6 +47,25 @@ def _normal(key, n):
     return jax.random.normal(key, (n,), jnp.float32)
 
 
+def einsum(spec, lhs, rhs, *, dtype=None):
+    """`jnp.einsum` of two operands accumulating in float32, returned in `dtype` (default: the operands' dtype). Every
+    matmul of the models and translators goes through here.
+
+    In bfloat16 this is the fast path as well as the better sum: XLA:CPU's bf16 kernel (YNNPACK) takes bf16 x bf16 ->
+    f32 only, and runs a bf16 -> bf16 dot as converts to f32 around an f32 matmul; accelerators accumulate in f32 too.
+    In float32 nothing changes. The contraction is computed in dot_general's own order (batch, lhs, rhs dimensions)
+    and transposed after: XLA:CPU cannot run a batched bf16 x bf16 -> f32 dot that YNNPACK refuses, as it refuses one
+    whose output order was folded into it. `test_layers.py` checks the compiled bf16 prefill and runs it.
+    """
+    dtype = dtype or jnp.result_type(lhs, rhs)
+    inputs, out = spec.split("->")
+    left, right = inputs.split(",")
+    batch = [c for c in left if c in right and c in out]
+    natural = "".join(batch + [c for c in left + right if c in out and c not in batch])
+    y = jnp.einsum(f"{inputs}->{natural}", lhs, rhs, preferred_element_type=jnp.float32)
+    return (y if natural == out else y.transpose([natural.index(c) for c in out])).astype(dtype)
+
+
 class Linear(nnx.Module):
     """y = x @ kernel + bias, kernel stored [in, out] (HF torch Linear weights are transposed on load)."""
 
@@ -56,7 +75,7 @@ class Linear(nnx.Module):
         self.bias = param(rngs.params(), (*lead, dout), lead_names + names[1:], dtype, "zeros") if bias else None
 
     def __call__(self, x):
-        y = x @ self.kernel[...]
+        y = einsum("...i,io->...o", x, self.kernel[...])
         return y if self.bias is None else y + self.bias[...]
 
 
@@ -69,7 +88,7 @@ class Embed(nnx.Module):
 
     def attend(self, x):
         """Tied output head: logits against the embedding matrix."""
-        return x @ self.embedding[...].T
+        return einsum("...d,vd->...v", x, self.embedding[...])
 
 
 class LayerNorm(nnx.Module):
@@ -164,7 +183,7 @@ def attention_weights(q, k, q_pos, k_pos, k_valid, *, scale, window=GLOBAL_WINDO
     b, t, h, d = q.shape
     kv_heads = k.shape[1]
     q = q.reshape(b, t, kv_heads, h // kv_heads, d)
-    logits = jnp.einsum("btkgd,bksd->bkgts", q, k, preferred_element_type=jnp.float32) * scale
+    logits = einsum("btkgd,bksd->bkgts", q, k, dtype=jnp.float32) * scale
     if softcap is not None:
         logits = jnp.tanh(logits / softcap) * softcap
     delta = q_pos[:, :, None] - k_pos[:, None, :]  # [B, T, S]
@@ -179,5 +198,5 @@ def attention_weights(q, k, q_pos, k_pos, k_valid, *, scale, window=GLOBAL_WINDO
 def attention(q, k, v, q_pos, k_pos, k_valid, *, scale, window=GLOBAL_WINDOW, softcap=None, allowed=None):
     """`attention_weights` applied to v [B, K, S, d]; returns [B, T, H * d]."""
     probs = attention_weights(q, k, q_pos, k_pos, k_valid, scale=scale, window=window, softcap=softcap, allowed=allowed)
-    out = jnp.einsum("bkgts,bksd->btkgd", probs.astype(v.dtype), v)
+    out = einsum("bkgts,bksd->btkgd", probs.astype(v.dtype), v)
     return out.reshape(*q.shape[:2], -1)

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mot_jax.models.layers import MASK_VALUE, LayerNorm, Linear
+from mot_jax.models.layers import MASK_VALUE, LayerNorm, Linear, einsum
 
 EPS = 1e-5
 
@@ -114,14 +114,13 @@ class CrossAttentionBlocks(nnx.Module):
         """torch.nn.MultiheadAttention (packed in-projection, no positions): q [B, C, D] attends to ctx [B, T, D]."""
         d, h = q_in.shape[-1], self.heads
         kernel, bias = self.in_proj.kernel[...], self.in_proj.bias[...]
-        q = q_in @ kernel[:, :d] + bias[:d]
-        k = ctx @ kernel[:, d : 2 * d] + bias[d : 2 * d]
-        v = ctx @ kernel[:, 2 * d :] + bias[2 * d :]
+        proj = lambda x, part: einsum("...i,io->...o", x, kernel[:, part]) + bias[part]
+        q, k, v = proj(q_in, slice(0, d)), proj(ctx, slice(d, 2 * d)), proj(ctx, slice(2 * d, None))
         split = lambda a: a.reshape(*a.shape[:2], h, d // h)
-        logits = jnp.einsum("bchd,bthd->bhct", split(q), split(k), preferred_element_type=jnp.float32)
+        logits = einsum("bchd,bthd->bhct", split(q), split(k), dtype=jnp.float32)
         logits = jnp.where(visible[:, None], logits * (d // h) ** -0.5, MASK_VALUE)
         probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-        return jnp.einsum("bhct,bthd->bchd", probs, split(v)).reshape(q.shape)
+        return einsum("bhct,bthd->bchd", probs, split(v)).reshape(q.shape)
 
 
 class Experts(nnx.Module):
@@ -182,4 +181,4 @@ def output_head(norm: LayerNorm, proj: Linear, states, fused: bool):
     and projection of all W states together to all W layers, [B, C, W * dt]; else one per layer, [B, C, W, dt]."""
     if fused:
         return proj(norm(states.reshape(*states.shape[:2], -1)))
-    return jnp.einsum("bcwd,wdo->bcwo", norm(states), proj.kernel[...]) + proj.bias[...]
+    return einsum("bcwd,wdo->bcwo", norm(states), proj.kernel[...]) + proj.bias[...]

@@ -52,7 +52,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mot_jax.errors import MotJaxError
-from mot_jax.models.layers import MASK_VALUE, LayerNorm, Linear
+from mot_jax.models.layers import MASK_VALUE, LayerNorm, Linear, einsum
 from mot_jax.translate.expert import EPS, TranslatorConfig, gelu, torch_std
 
 DROPOUT = 0.1  # on the adapter's attention weights, in training
@@ -93,13 +93,13 @@ class Adapter(nnx.Module):
     def attention(self, x, token_mask, key):
         b, t, d = x.shape
         q, k, v = (y.reshape(b, t, self.heads, d // self.heads) for y in jnp.split(self.in_proj(x), 3, -1))
-        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) * (d // self.heads) ** -0.5
-        logits = jnp.where(token_mask[:, None, None, :], logits.astype(jnp.float32), MASK_VALUE)
+        logits = einsum("bqhd,bkhd->bhqk", q, k, dtype=jnp.float32) * (d // self.heads) ** -0.5
+        logits = jnp.where(token_mask[:, None, None, :], logits, MASK_VALUE)
         probs = jax.nn.softmax(logits, -1).astype(x.dtype)
         if key is not None:  # training: dropout on the attention weights, as torch's
             keep = jax.random.bernoulli(key, 1 - DROPOUT, probs.shape)
             probs = jnp.where(keep, probs / (1 - DROPOUT), 0)
-        return self.out_proj(jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, d))
+        return self.out_proj(einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, d))
 
     def __call__(self, x, token_mask, key=None):
         """x [B, T, Es], token_mask [B, T]; `key` the training dropout's (None: none) -> latents [B, T, Et]."""

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mot_jax.errors import MotJaxError
-from mot_jax.models.layers import LayerNorm, Linear
+from mot_jax.models.layers import LayerNorm, Linear, einsum
 from mot_jax.translate.expert import EPS, Experts, TranslatorConfig, gelu, torch_std
 
 
@@ -65,7 +65,7 @@ class MixtureOfTranslators(nnx.Module):
         top_logits, top_experts = jax.lax.top_k(logits, cfg.top_k)
         top_weights = jax.nn.softmax(top_logits, axis=-1)
         chosen = jax.nn.one_hot(top_experts, cfg.num_experts, dtype=bool).any(axis=2) & mask[..., None]  # [B,T,N]
-        weights = jnp.einsum("btk,btkn->btn", top_weights, jax.nn.one_hot(top_experts, cfg.num_experts))
+        weights = einsum("btk,btkn->btn", top_weights, jax.nn.one_hot(top_experts, cfg.num_experts))
         weights = weights * mask[..., None]  # padding tokens get no translation
         if cfg.dispatch == "dense":
             y, capacity = combine_dense(self.experts, x, mask, weights), jnp.asarray(t, jnp.int32)
@@ -89,7 +89,7 @@ def combine_dense(experts, x, mask, weights):
     """Every expert on every token, combined with the routing weights (zero outside each token's top k)."""
     n, (b, t) = weights.shape[-1], mask.shape
     query_index = jnp.broadcast_to(jnp.arange(t), (n, b, t))
-    return jnp.einsum("btn,nbtwd->btwd", weights.astype(x.dtype), experts(x, mask, query_index))
+    return einsum("btn,nbtwd->btwd", weights.astype(x.dtype), experts(x, mask, query_index))
 
 
 def dispatch(experts, capacity, x, mask, chosen, weights):
@@ -104,7 +104,7 @@ def dispatch(experts, capacity, x, mask, chosen, weights):
     query_index = query_index.at[expert, rows, jnp.where(chosen, slot, capacity)].set(tokens, mode="drop")
     out = experts(x, mask, query_index)  # [N, B, C, W, dt]
     gathered = out[expert, rows, jnp.clip(slot, 0, capacity - 1)]  # [B, T, N, W, dt]
-    return jnp.einsum("btn,btnwd->btwd", jnp.where(chosen, weights, 0.0).astype(x.dtype), gathered)
+    return einsum("btn,btnwd->btwd", jnp.where(chosen, weights, 0.0).astype(x.dtype), gathered)
 
 
 def aux_losses_and_stats(logits, chosen, weights, mask, capacity):

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mot_jax.errors import MotJaxError
-from mot_jax.models.layers import LayerNorm, Linear
+from mot_jax.models.layers import LayerNorm, Linear, einsum
 from mot_jax.translate.expert import EPS, TranslatorConfig, gelu, torch_std
 
 
@@ -40,6 +40,6 @@ class Projector(nnx.Module):
         Every token is projected, padding included (as a one-expert mixture); `token_mask` is accepted for the
         mixture's interface and unused, since no token reads another.
         """
-        per_layer = lambda a, m: jnp.einsum("btwi,wio->btwo", a, m.kernel[...]) + m.bias[...]
+        per_layer = lambda a, m: einsum("btwi,wio->btwo", a, m.kernel[...]) + m.bias[...]
         y = per_layer(gelu(per_layer(self.norm(x), self.hidden)), self.out)
         return (gelu(y) if self.cfg.output_activation == "gelu" else y), {}

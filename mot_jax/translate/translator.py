@@ -47,7 +47,7 @@ from flax import nnx, struct
 from mot_jax.errors import MotJaxError
 from mot_jax.models import decoder
 from mot_jax.models.base import CausalLM, Injection, first_valid_index, positions_from_mask
-from mot_jax.models.layers import apply_rope, param
+from mot_jax.models.layers import apply_rope, einsum, param
 from mot_jax.translate import align as alignment_lib
 from mot_jax.translate import c2c, channels, interlat, lsc, mot_h
 from mot_jax.translate.expert import TranslatorConfig
@@ -237,7 +237,7 @@ class LinearSkip(nnx.Module):
         self.bias = param(None, (cfg.window, cfg.target_width), ("layers", None), dtype, "zeros")
 
     def __call__(self, x):
-        return jnp.einsum("btwi,wio->btwo", x, self.kernel[...]) + self.bias[...]
+        return einsum("btwi,wio->btwo", x, self.kernel[...]) + self.bias[...]
 
 
 class KVTranslator(nnx.Module):
