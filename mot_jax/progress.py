@@ -6,7 +6,8 @@ one-line meter on stderr about every `EVERY` seconds and once when the work ends
             ...
             progress.update()
 
-The evaluation engine reports an absolute count instead: `progress(done, total)`.
+The evaluation engine reports an absolute count instead: `progress(done, total)`; `metered(items, desc)` counts the
+items of a loop as it takes them.
 """
 
 from __future__ import annotations
@@ -54,3 +55,11 @@ class Progress:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def metered(items, desc: str, unit: str = "batch", total: int | None = None):
+    """`items`, yielded one by one and counted by a Progress (`total`: len(items) unless given)."""
+    with Progress(desc, unit, total=len(items) if total is None else total) as progress:
+        for item in items:
+            yield item
+            progress.update()

@@ -6,6 +6,7 @@ import numpy as np
 from test_trainer import tiny_config, trainer_for
 from training_helpers import tiny_batch
 
+from mot_jax import progress
 from mot_jax.training.report import closing_report, evaluation_table
 from mot_jax.training.setup import make_mesh
 from mot_jax.training.trainer import shuffled_source
@@ -76,3 +77,18 @@ def test_the_closing_report_names_the_checkpoint_its_table_describes(tiny_run):
         "Held-out prompt CE of the translator at the last step (step 30, in checkpoints/; best/ keeps step 10, whose "
         "validation loss 4.9625 is the lowest):"
     )
+
+
+def test_the_closing_passes_show_progress_in_a_log(capsys, monkeypatch):
+    # minutes-long on the quickstart: a log (stderr not a terminal) gets meter lines, not silence
+    monkeypatch.setattr(progress, "EVERY", 0.0)  # a line per batch
+    c = tiny_config(mode="direct")
+    trainer, pair = trainer_for(c, make_mesh(c), steps=1)
+    batches = [tiny_batch(pair.source_tokenizer, pair.target_tokenizer, batch=1, offset=i) for i in range(3)]
+    trainer.baselines(batches, "Closing table, held-out")
+    lines = capsys.readouterr().err.splitlines()
+    shown = list(dict.fromkeys(line.split("|")[0] for line in lines if line.startswith("Closing table")))
+    percents = ("33%", "67%", "100%")
+    assert shown == [f"Closing table, held-out: {p:>4}" for p in percents] + [
+        f"Closing table, held-out, shuffled source: {p:>4}" for p in percents
+    ], lines

@@ -157,8 +157,9 @@ def train_in(workdir, config, mesh, pair: Pair, datasets: Datasets, checkpoints:
     else:
         if tcfg.linear_skip:
             start_linear_skip(trainer, datasets.train, config.translator.skip_fit_batches)
-        initial = trainer.evaluate(validation) | dict(
-            held_out_ce=trainer.evaluate(held_out)["ce"], held_out_retrieval_ce=trainer.evaluate(retrieval)["ce"]
+        initial = trainer.evaluate(validation, progress="Validation loss, untrained") | dict(
+            held_out_ce=trainer.evaluate(held_out, progress="Held-out CE, untrained")["ce"],
+            held_out_retrieval_ce=trainer.evaluate(retrieval, progress="Held-out retrieval CE, untrained")["ce"],
         )
         best, best_step = math.inf, None
     if jax.process_index() == 0:  # the config the run trains on now (a resume may have changed safe keys)
@@ -222,9 +223,10 @@ def train_in(workdir, config, mesh, pair: Pair, datasets: Datasets, checkpoints:
         raise Interrupted(message, isinstance(e, Terminated)) from None
     finally:
         logger.close()
-    results = trainer.baselines(held_out) | dict(untrained=initial["held_out_ce"])
+    results = trainer.baselines(held_out, "Closing table, held-out") | dict(untrained=initial["held_out_ce"])
     # a run resumed from a checkpoint written before the retrieval rows existed has no untrained retrieval CE
-    results["retrieval"] = trainer.baselines(retrieval) | dict(untrained=initial.get("held_out_retrieval_ce"))
+    retrieval_ce = trainer.baselines(retrieval, "Closing table, retrieval rows")
+    results["retrieval"] = retrieval_ce | dict(untrained=initial.get("held_out_retrieval_ce"))
     summary = dict(
         steps=config.steps,
         seconds=round(time.perf_counter() - began, 1),

@@ -25,6 +25,7 @@ from mot_jax.errors import MotJaxError
 from mot_jax.evals.methods import regrid
 from mot_jax.evals.prompts import donor_indices
 from mot_jax.models.registry import resolve_dtype
+from mot_jax.progress import metered
 from mot_jax.training import data, objective
 from mot_jax.training.optim import adamw
 from mot_jax.training.setup import Pair
@@ -164,18 +165,20 @@ class Trainer:
         count = optax.tree_utils.tree_get_all_with_path(self.state["opt_state"], "count")[0][1]
         return None if count.is_deleted() else int(count)
 
-    def evaluate(self, batches, fn=None) -> dict:
+    def evaluate(self, batches, fn=None, progress: str | None = None) -> dict:
+        """The mean of each metric over `batches`; with `progress`, a meter of that name (minutes-long passes)."""
         fn = fn or self._eval
+        batches = metered(batches, progress) if progress else batches
         results = [fn(self.state["params"], self.llm_states, self.place(b, micro=False)) for b in batches]
         return {k: float(np.mean([r[k] for r in results])) for k in results[0]} if results else {}
 
-    def baselines(self, batches) -> dict:
+    def baselines(self, batches, progress: str | None = None) -> dict:
         """Prompt CE over `batches` with no context, native, translated and (for a translator that reads the
         source, and at least two rows) translated from a shuffled source (`shuffled_source`)."""
-        results = self.evaluate(batches, self._baselines)
+        results = self.evaluate(batches, self._baselines, progress)
         shuffled = shuffled_source(batches) if self.reads_source else None
-        if shuffled:
-            results["shuffled"] = self.evaluate(shuffled)["ce"]  # the validation program: nothing new compiles
+        if shuffled:  # the validation program: nothing new compiles
+            results["shuffled"] = self.evaluate(shuffled, progress=progress and f"{progress}, shuffled source")["ce"]
         return results
 
     def fit_linear_skip(self, batches) -> dict:
@@ -260,7 +263,8 @@ def start_linear_skip(trainer: Trainer, stream, num_batches: int):
             f"translator.skip_fit_batches={num_batches} leaves nothing to fit the linear skip on; pass at least 1."
         )
     began = time.perf_counter()
-    errors = trainer.fit_linear_skip([stream.batch(i) for i in range(num_batches)])
+    batches = (stream.batch(i) for i in range(num_batches))
+    errors = trainer.fit_linear_skip(metered(batches, "Least-squares fit of the linear skip", total=num_batches))
     logging.info(
         "Linear skip fitted by least squares on %d batches in %.0f s: mean squared error of K %.4f -> %.4f, V %.4f -> "
         "%.4f",
