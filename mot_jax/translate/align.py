@@ -1,4 +1,4 @@
-"""Cross-tokenizer alignment through character spans (METHOD.md §1.2; reference §1.3 and §1.5), batched.
+"""Cross-tokenizer alignment through character spans (docs/method.md §1.2; reference §1.3 and §1.5), batched.
 
 The target's context ids are decoded to text, that text is re-encoded with the source tokenizer, and both token
 sequences get character spans over that one text. `A[t, s]` = characters shared by target token t and source token

@@ -1,4 +1,4 @@
-"""Channel maps: which source layers feed which target layers (METHOD.md §1.3; reference §1.6 and §4.2 step 1).
+"""Channel maps: which source layers feed which target layers (docs/method.md §1.3; reference §1.6 and §4.2 step 1).
 
 A channel is a (source layer, target layer) pair; a `ChannelMap` lists them strictly increasing on both sides.
 Modes: `terminal` (the top `w` layers of each model paired), `depth_ratio` (a contiguous window of pairs spaced
