@@ -53,9 +53,11 @@ def einsum(spec, lhs, rhs, *, dtype=None):
 
     In bfloat16 this is the fast path as well as the better sum: XLA:CPU's bf16 kernel (YNNPACK) takes bf16 x bf16 ->
     f32 only, and runs a bf16 -> bf16 dot as converts to f32 around an f32 matmul; accelerators accumulate in f32 too.
-    In float32 nothing changes. The contraction is computed in dot_general's own order (batch, lhs, rhs dimensions)
-    and transposed after: XLA:CPU cannot run a batched bf16 x bf16 -> f32 dot that YNNPACK refuses, as it refuses one
-    whose output order was folded into it. `test_layers.py` checks the compiled bf16 prefill and runs it.
+    In float32 the sums are unchanged. The contraction is computed in dot_general's own order (batch, lhs, rhs
+    dimensions) and transposed after. XLA:CPU otherwise folds the output order into the dot by swapping its operands:
+    for attention's probs @ v that is an f32 kernel ~4x slower, and in bf16 a batched dot YNNPACK refuses, for which
+    XLA:CPU has no bf16 x bf16 -> f32 fallback (DotThunk: unsupported). `test_layers.py` checks the compiled bf16
+    prefill and runs it.
     """
     dtype = dtype or jnp.result_type(lhs, rhs)
     inputs, out = spec.split("->")
