@@ -21,8 +21,8 @@ geometry.
 
 Two rules for a context's first token, in both modes (not in the reference): its K/V are the target's own, computed
 from that token alone (it attends only to itself, so nothing needs translating; for Gemma it is the BOS, the
-attention sink every later token reads), and sparse attention always lets a query see it (README and RESULTS.md
-measure what they are worth).
+attention sink every later token reads), and sparse attention always lets a query see it (docs/translators.md and the
+results logs under docs/results/ measure what they are worth).
 
 `KVTranslator` holds the trainable parameters (a K and a V mixture, or projector, and with `linear_skip` a linear map
 per window layer beside each, set by least squares before training: `linear_skip.py`; or C2C's K and V fusers,
