@@ -8,8 +8,8 @@ layer writes their K/V from SmolLM2's aligned K/V, Gemma's own token embeddings 
 batches, then trains with prompt CE + K/V MSE on chunks of which half are retrieval rows (the prompt repeats a span
 of its own context). The run then prints the held-out prompt cross-entropy of the target with no context, with its
 own (native) context cache, with the translated cache at its least-squares start ("untrained") and trained, and
-trained from a shuffled source (another row's source cache, which carries none of this row's passage), on the held-
-out chunks and on the same chunks made retrieval rows.
+trained from a shuffled source (another row's source cache, which carries none of this row's passage), on the
+held-out chunks and on the same chunks made retrieval rows.
 
     python -m mot_jax.train --config=configs/quickstart.py --workdir=/tmp/mot_quickstart
 
