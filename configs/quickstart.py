@@ -30,7 +30,7 @@ seconds.
 """
 
 from mot_jax.errors import MotJaxError
-from mot_jax.training.config import base, tiny
+from mot_jax.training.config import base, dial, tiny
 
 CHOICES = ("replay", "tiny")
 
@@ -50,13 +50,7 @@ def get_config(arg=None):
         c.optim.learning_rate, c.optim.warmup_steps = 1e-3, 10
         c.log_every, c.eval_every, c.checkpoint_every = 10, 25, 25
     else:
-        c.translator.update(mode="direct", kind="linear", linear_skip=True, rotary=True, output_activation="none")
-        c.translator.update(native_bottom=8, inputs="source,embeddings,hidden", skip_fit_batches=24)
-        c.data.copy_fraction = 0.5
-        c.data.total_tokens, c.data.prefix_tokens, c.data.source_length = 256, 192, 256
-        c.steps, c.batch_size, c.grad_accum = 30, 4, 1
-        c.optim.learning_rate, c.optim.warmup_steps = 3e-4, 5
-        c.log_every, c.eval_every, c.checkpoint_every = 5, 10, 10
+        dial(c, native_bottom=8)
     c.eval_batches, c.final_eval_batches = 4, 8
     if "tiny" in parts:
         tiny(c, "llama", "gemma3")

@@ -21,7 +21,7 @@ tens of seconds on a 2-core CPU); a GPU is the intended place for it.
 """
 
 from mot_jax.errors import MotJaxError
-from mot_jax.training.config import base, tiny
+from mot_jax.training.config import base, dial, tiny
 
 CHOICES = ("reverse", "tiny")
 SMALL, BIG = "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"
@@ -34,14 +34,7 @@ def get_config(arg=None):
     reverse = "reverse" in parts
     c = base()
     c.source, c.target = (BIG, SMALL) if reverse else (SMALL, BIG)
-    c.translator.update(mode="direct", kind="linear", linear_skip=True, rotary=True, output_activation="none")
-    c.translator.update(native_bottom=6 if reverse else 7, inputs="source,embeddings,hidden", skip_fit_batches=24)
-    c.data.copy_fraction = 0.5
-    c.data.total_tokens, c.data.prefix_tokens, c.data.source_length = 256, 192, 256
-    c.steps, c.batch_size, c.grad_accum = 30, 4, 1
-    c.optim.learning_rate, c.optim.warmup_steps = 3e-4, 5
-    c.log_every, c.eval_every, c.checkpoint_every = 5, 10, 10
-    c.eval_batches, c.final_eval_batches = 4, 8
+    dial(c, native_bottom=6 if reverse else 7)
     if "tiny" in parts:
         families = ("qwen2-large", "qwen2") if reverse else ("qwen2", "qwen2-large")
         tiny(c, *families)

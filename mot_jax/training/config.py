@@ -125,6 +125,22 @@ def base() -> ml_collections.ConfigDict:
 TINY_TRANSLATOR = dict(dim=32, heads=2, depth=1, mlp_ratio=2)
 
 
+def dial(c: ml_collections.ConfigDict, native_bottom: int) -> ml_collections.ConfigDict:
+    """The quickstart's operating point (docs/results/2026-12-01-dial.md): the target's own bottom `native_bottom`
+    layers over the context, a least-squares-started linear map per upper layer from the source's K/V, the target's
+    token embeddings and its residual stream, 30 steps of prompt CE + K/V MSE on chunks of which half are retrieval
+    rows."""
+    c.translator.update(mode="direct", kind="linear", linear_skip=True, rotary=True, output_activation="none")
+    c.translator.update(native_bottom=native_bottom, inputs="source,embeddings,hidden", skip_fit_batches=24)
+    c.data.copy_fraction = 0.5
+    c.data.total_tokens, c.data.prefix_tokens, c.data.source_length = 256, 192, 256
+    c.steps, c.batch_size, c.grad_accum = 30, 4, 1
+    c.optim.learning_rate, c.optim.warmup_steps = 3e-4, 5
+    c.log_every, c.eval_every, c.checkpoint_every = 5, 10, 10
+    c.eval_batches, c.final_eval_batches = 4, 8
+    return c
+
+
 def tiny(c: ml_collections.ConfigDict, source: str, target: str) -> ml_collections.ConfigDict:
     """Shrink a config to a seconds-long CPU run on tiny random models of the given families."""
     c.source, c.target = f"random:{source}", f"random:{target}"
