@@ -183,8 +183,11 @@ def test_a_failed_save_stops_the_run_and_keeps_the_last_checkpoint(tmp_path, mon
 
 def signalled_run(workdir, signum: int, at_call: int):
     """The tiny run of 6 steps (checkpoints every 2) that sends itself `signum` as its `at_call`-th step starts."""
+    # Ctrl-C's handler as a terminal gives it: a process started in the background (nohup CMD &, as a CI runner may
+    # start the tests) inherits SIGINT ignored, and Python then installs no KeyboardInterrupt for it
     script = (
-        "import os, signal; from mot_jax.training import loop; step = loop.Trainer.train_step\n"
+        "import os, signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+        "from mot_jax.training import loop; step = loop.Trainer.train_step\n"
         "def interrupting(self, batches, calls=[0]):\n"
         "    calls[0] += 1\n"
         f"    if calls[0] == {at_call}: os.kill(os.getpid(), {signum})\n"
