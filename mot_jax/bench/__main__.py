@@ -19,7 +19,7 @@ Time: the whole page takes about 20 minutes on a 2-core CPU with the default `--
 mixture ~0.5, features ~6 with its cache built, measured on a loaded machine), after the offline models are converted
 and the corpus prepared, and the ttft part far longer since it times every method (its 128 and 512 tokens alone took ~20
 minutes at `--runs=1` on a loaded machine, 2,048 several times that). `--quick` runs every part on tiny random models
-with tiny sizes and one run per cell (it ignores the size flags) in 1-1.5 minutes, most of it compiling: it checks that
+with tiny sizes and one run per cell (it ignores the size flags) in ~2 minutes, most of it compiling: it checks that
 the page builds, its numbers mean nothing; without --out it writes no page. Parts named on the command line are printed
 (each section's Markdown on stdout, progress on stderr); with --out they also make a page of their own. The page is
 written (atomically, with its plot) only after every part has succeeded.
@@ -101,7 +101,7 @@ def define_flags():
     flags.DEFINE_enum("train_dtype", "", ["", "float32", "bfloat16"], "train: the LLMs' dtype ('': the experiment's).")
     flags.DEFINE_string("out", None, f"Page to write (default {PAGE} when every part runs; the plot goes beside it).")
     flags.DEFINE_bool(
-        "quick", False, "Every size tiny (random models, one run): checks the page builds (1-1.5 minutes)."
+        "quick", False, "Every size tiny (random models, one run): checks the page builds (about 2 minutes on 2 cores)."
     )
 
 
