@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import hashlib
 import json
 import os
 import re
@@ -102,3 +103,12 @@ def json_lines(path: Path):
                 yield number, json.loads(line)
             except json.JSONDecodeError as e:
                 raise MotJaxError(f"{path}:{number}: not valid JSON ({e.msg}); fix that line.") from None
+
+
+def sha256_of(path) -> str:
+    """The sha256 hex digest of a file, read in 16 MiB blocks."""
+    digest = hashlib.sha256()
+    with Path(path).open("rb") as f:
+        while block := f.read(1 << 24):
+            digest.update(block)
+    return digest.hexdigest()

