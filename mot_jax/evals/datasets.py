@@ -4,6 +4,8 @@ our schemas (see jsonl.py), all through `load_examples`.
 - data "" (the default): the synthetic set of the task (synthetic.py), its held-out split of `synthetic.HELD_OUT`
   examples written once as a TFDS array_record dataset under `data_dir` and read back by random access without
   TensorFlow (the first n), so every run of a config scores the very same stored examples.
+- data "code_reading": an offline generated set (GENERATED; code_reading.py: questions about a short Python
+  module), its held-out split stored and read like the synthetic sets'; `seed` picks the set.
 - data "PATH.jsonl": a user file, validated line by line (jsonl.read_jsonl).
 - data "NAME" or "NAME:PATH": a dataset of the paper (ADAPTERS) converted from its native rows; "NAME" loads the
   Hugging Face hub split the reference evaluated (`datasets` package, network), "NAME:PATH" reads a local copy
@@ -38,7 +40,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from mot_jax.errors import MotJaxError, cause
-from mot_jax.evals import jsonl, synthetic
+from mot_jax.evals import code_reading, jsonl, synthetic
 from mot_jax.files import json_lines, utf8
 from mot_jax.paths import cache_root
 from mot_jax.tfds_builders import one_split_builder, prepared, quiet_tfds
@@ -59,6 +61,8 @@ MMLU_SUBJECTS = (
     "professional_medicine professional_psychology public_relations security_studies sociology "
     "us_foreign_policy virology world_religions"
 ).split()
+# offline generated sets beside the synthetic ones, by name (--data=NAME): (task, generator module)
+GENERATED = {"code_reading": ("extractive_qa", code_reading)}
 YES_NO = "Answer yes or no."
 YES_NO_MAYBE = "Answer yes, no, or maybe."
 
@@ -79,14 +83,35 @@ def synthetic_set(
         )
     distractors = synthetic.DISTRACTORS[task] if distractors is None else distractors
     questions = f"_q{questions_per_example}" if task == "multi_agent" else ""
-    code = hashlib.sha256(Path(synthetic.__file__).read_bytes()).hexdigest()[:12]
-    config = f"{task}_heldout{synthetic.HELD_OUT}_seed{seed}_d{distractors}{questions}_{code}"
+    config = f"{task}_heldout{synthetic.HELD_OUT}_seed{seed}_d{distractors}{questions}_{_code_hash(synthetic)}"
     synthetic.examples(task, 0, seed, distractors, questions_per_example)  # checks the options before any write
-    data_dir = Path(data_dir or cache_root() / "tfds").expanduser()
     make = lambda: synthetic.examples(task, synthetic.HELD_OUT, seed, distractors, questions_per_example)
+    return _stored(config, make, n, f"synthetic {task}", data_dir)
+
+
+def generated_set(name: str, n: int, seed: int = 0, data_dir="") -> list[dict]:
+    """The first `n` examples of the held-out split of the offline generated set `name` (GENERATED: its generator's
+    `examples(HELD_OUT, seed)`), stored and read back like the synthetic sets."""
+    generator = GENERATED[name][1]
+    if n > generator.HELD_OUT:
+        raise MotJaxError(
+            f"The {name} set holds {generator.HELD_OUT} held-out examples, not {n}; pass "
+            f"--config.examples={generator.HELD_OUT} or fewer (or another --config.seed for another set)."
+        )
+    config = f"{name}_heldout{generator.HELD_OUT}_seed{seed}_{_code_hash(generator)}"
+    return _stored(config, lambda: generator.examples(generator.HELD_OUT, seed), n, name, data_dir)
+
+
+def _code_hash(module) -> str:
+    return hashlib.sha256(Path(module.__file__).read_bytes()).hexdigest()[:12]
+
+
+def _stored(config: str, make: Callable[[], list[dict]], n: int, label: str, data_dir) -> list[dict]:
+    """The first `n` of the examples `make()` gives, stored once as the TFDS config `config` under `data_dir`."""
+    data_dir = Path(data_dir or cache_root() / "tfds").expanduser()
 
     def build(builder):
-        print(f"Preparing the synthetic {task} set into {builder.data_dir} (once)", file=sys.stderr)
+        print(f"Preparing the {label} set into {builder.data_dir} (once)", file=sys.stderr)
         builder.records = (json.dumps(e) for e in make())  # in generation order
         with quiet_tfds():
             builder.download_and_prepare()
@@ -345,9 +370,10 @@ def adapt(name: str, path: str = "") -> list[dict]:
 def load_examples(
     task: str, data: str = "", n: int = 64, seed: int = 0, data_dir: str = "", **synthetic_options
 ) -> list[dict]:
-    """Up to `n` examples of `task` from `data` ("" synthetic, a .jsonl path, NAME or NAME:PATH; see the module
-    docstring). `seed` and `synthetic_options` (distractors, questions_per_example; None means the default) only
-    apply to the synthetic sets; `data_dir` is where those are stored (default: the mot_jax cache)."""
+    """Up to `n` examples of `task` from `data` ("" synthetic, a generated set's name (GENERATED), a .jsonl path,
+    NAME or NAME:PATH; see the module docstring). `seed` picks the synthetic and generated sets; `synthetic_options`
+    (distractors, questions_per_example; None means the default) only apply to the synthetic sets; `data_dir` is
+    where those are stored (default: the mot_jax cache)."""
     if task not in TASKS:
         raise MotJaxError(f"Unknown task {task!r}; use one of {', '.join(TASKS)}.")
     if n < 1:
@@ -363,6 +389,10 @@ def load_examples(
             raise MotJaxError(str(e)) from None  # a bad synthetic option; the message names the valid range
     if options:
         raise MotJaxError(f"{', '.join(options)} only apply to the synthetic sets; drop them or the data {data!r}.")
+    if data in GENERATED:
+        if GENERATED[data][0] != task:
+            raise MotJaxError(f"{data} is a {GENERATED[data][0]} set, not {task}; pass --task {GENERATED[data][0]}.")
+        return generated_set(data, n, seed, data_dir)
     name, _, path = data.partition(":")
     if name in ADAPTERS:
         if ADAPTERS[name] != task:
@@ -372,5 +402,5 @@ def load_examples(
         return jsonl.read_jsonl(data, task)[:n]
     raise MotJaxError(
         f"Unknown evaluation data {data!r}; pass a .jsonl file, NAME or NAME:PATH with NAME one of "
-        f"{', '.join(ADAPTERS)}, or nothing for the synthetic set."
+        f"{', '.join(ADAPTERS)}, a generated set ({', '.join(GENERATED)}), or nothing for the synthetic set."
     )
