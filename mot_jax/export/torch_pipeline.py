@@ -19,7 +19,8 @@ translated input residual streams of the source's window layers replace the targ
 dense forward over its context (`from_source_streams`); that forward's cache is the cache. `replay`: the
 transformers target runs over its context with the translated K/V read by the window layers' attention (a
 registered attention function) and sparse top-k attention from the source's attention where the translator was
-trained with it; the cache it builds (its own recomputed K/V) is handed on, as in `mot_jax.translate.translator`.
+trained with it; the cache it builds (its own recomputed K/V) is handed on, as in `mot_jax.translate.translator`
+(`torch_replay.py` holds that attention function and the sparse keys).
 
 The translation runs on right-padded contexts (each row's positions count from slot 0, as mot_jax); the cache handed
 back is left-padded, the layout transformers' batched generation expects: every row's context ends at the last slot,
@@ -27,9 +28,9 @@ so the tokens that follow continue it at the same slot in every row and a slidin
 own. `left_padded` gives the ids and mask of that layout; pass the mask to `generate`. The models must use eager
 attention (`attn_implementation="eager"`): the source's attention weights pick the sparse keys.
 
-`from_export` finds the models a training run named (`model_folder`): a folder as is, an embedded model or GGUF file
-in the folder mot_jax converted it into (`$MOT_JAX_CACHE/<name>-<key>/`, default `~/.cache/mot_jax`), a hub id
-fetched as mot_jax fetches it.
+`from_export` finds the models a training run named (`model_folder`, in `torch_models.py`): a folder as is, an
+embedded model or GGUF file in the folder mot_jax converted it into (`$MOT_JAX_CACHE/<name>-<key>/`, default
+`~/.cache/mot_jax`), a hub id fetched as mot_jax fetches it.
 """
 
 from __future__ import annotations
@@ -37,62 +38,17 @@ from __future__ import annotations
 import contextlib
 import inspect
 import json
-import re
-import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 import transformers
-from transformers import AttentionInterface, DynamicCache
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
+from transformers import DynamicCache
 
+from mot_jax.export.torch_models import load_tokenizer, model_folder
+from mot_jax.export.torch_replay import allowed_keys, head_averaged_topk, replay, sparse_indices
 from mot_jax.export.torch_translator import CONFIG_FILE, KVTranslator, target_positions
-from mot_jax.paths import cache_root
 from mot_jax.translate.align import align_batch, encode_texts
-
-ATTENTION = "mot_replay"
-HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken"]  # what mot_jax fetches of a hub model
-_replay = None  # the injection of the replay that is running (layer -> translated K/V, sparse masks)
-
-
-def _eager(module):
-    """The eager attention function of the module's own family (softcap, scaling and GQA handled as it does)."""
-    return sys.modules[type(module).__module__].eager_attention_forward
-
-
-def _replay_attention(module, query, key, value, attention_mask, **kwargs):
-    state, layer = _replay, module.layer_idx
-    if state is not None and query.shape[2] == key.shape[2]:  # the context pass (the cache was empty)
-        if layer in state["slot"]:
-            slot = state["slot"][layer]
-            key, value = state["k"][slot].to(key.dtype), state["v"][slot].to(value.dtype)
-        if state["allowed"] is not None and layer >= state["dense_bottom"]:
-            attention_mask = _sparse_mask(attention_mask, state["allowed"][layer], query.dtype)
-    return _eager(module)(module, query, key, value, attention_mask, **kwargs)
-
-
-def _sparse_mask(mask, allowed, dtype):
-    """The additive mask restricted to the chosen keys; a query left with none attends to itself (as mot_jax)."""
-    visible = mask[:, 0] > torch.finfo(mask.dtype).min / 2  # [B, T, T]
-    stranded = ~(visible & allowed).any(-1, keepdim=True)
-    diagonal = torch.eye(visible.shape[-1], dtype=torch.bool, device=visible.device)
-    keep = visible & (allowed | (stranded & diagonal))
-    return torch.where(keep, 0.0, torch.finfo(dtype).min).to(dtype)[:, None]
-
-
-AttentionInterface.register(ATTENTION, _replay_attention)
-ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION, eager_mask)
-
-
-@contextlib.contextmanager
-def _attention(model, name):
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(name)
-    try:
-        yield
-    finally:
-        model.set_attn_implementation(previous)
 
 
 def _cache_layers(cache):
@@ -206,90 +162,6 @@ def layer_key_values(model, layers, x_k, x_v, mask):
     k = [cached(layer, x_k[slot].to(model.dtype))[0] for slot, layer in enumerate(layers)]
     v = [cached(layer, x_v[slot].to(model.dtype))[1] for slot, layer in enumerate(layers)]
     return torch.stack(k), torch.stack(v)
-
-
-def head_averaged_topk(attentions, k):
-    """Per layer, the k keys each query attends to most, averaged over heads: [L, B, S, k] (ties: lower index)."""
-    probs = torch.stack([a.float().mean(1) for a in attentions])  # [L, B, S, S]
-    order = torch.sort(probs, dim=-1, descending=True, stable=True).indices
-    return order[..., : min(k, probs.shape[-1])]
-
-
-def sparse_indices(config, source_topk, alignment):
-    """Target layer j reads source layer layer_map[j]; target query t reads source query target_to_source[t]; a source
-    key s becomes target token source_to_target[s]; the first token (the target's attention sink) is always allowed:
-    [Lt, B, T, k + 1] (as mot_jax.translate.translator)."""
-    picked = source_topk[torch.as_tensor(config.layer_map)]  # [Lt, B, S, k]
-    rows = torch.arange(picked.shape[1])[:, None]
-    by_query = picked[:, rows, torch.as_tensor(alignment.target_to_source, dtype=torch.long)]  # [Lt, B, T, k]
-    keys = torch.as_tensor(alignment.source_to_target, dtype=torch.long)[rows[..., None], by_query]
-    return torch.cat([keys, torch.zeros_like(keys[..., :1])], -1)  # + the first token (right padding: slot 0)
-
-
-def allowed_keys(indices, length):
-    """[Lt, B, T, k] chosen token indices -> [Lt, B, T, T] boolean masks."""
-    allowed = torch.zeros(*indices.shape[:3], length + 1, dtype=torch.bool)
-    clipped = torch.where((indices >= 0) & (indices < length), indices, length)
-    return allowed.scatter_(-1, clipped, True)[..., :length]
-
-
-def converted_folder(name: str) -> Path | None:
-    """The folder mot_jax converted an embedded model (`name`, e.g. "smollm2-135m") or a GGUF file (a `.gguf` path)
-    into, a transformers folder (config.json, model.safetensors, tokenizer.json): `cache_root()/<name or file
-    stem>-<key>/` (`mot_jax.models.gguf.convert`; the key follows the GGUF file's path, size and date). Of the
-    complete ones (a conversion writes its manifest last), the newest whose GGUF file is still there (another
-    install of the same package leaves a folder of its own), else the newest; None when there is none."""
-    gguf_file = str(Path(name).expanduser()) if name.endswith(".gguf") else None
-    stem = Path(name).stem if gguf_file else name
-    pattern = re.compile(re.escape(stem) + "-[0-9a-f]{12}")
-    found = []
-    for folder in cache_root().glob("*-*"):
-        manifest = folder / "manifest.json"
-        if not (pattern.fullmatch(folder.name) and manifest.is_file()):
-            continue
-        source = json.loads(manifest.read_text()).get("source")
-        if gguf_file is None or source == gguf_file:
-            found.append((bool(source) and Path(source).is_file(), manifest.stat().st_mtime, folder))
-    return max(found, default=(None, None, None))[2]
-
-
-def model_folder(name: str) -> Path:
-    """The transformers folder of a model as a mot_jax training config names it: a folder as is; an embedded model
-    or GGUF file: its converted folder (`converted_folder`); else a hub id, fetched (or found in the hub's cache)."""
-    path = Path(name).expanduser()
-    if path.is_dir():
-        return path
-    if name.startswith("random:"):
-        raise ValueError(
-            f"{name!r} is a tiny random mot_jax model, which has no transformers folder; pass the source and target "
-            "folders (source=..., target=...)."
-        )
-    converted = converted_folder(name)
-    if converted is not None:
-        return converted
-    convert = f"`python -m mot_jax.convert --model={name}` converts an embedded model or a GGUF file there once"
-    if name.endswith(".gguf"):
-        raise ValueError(f"{name} has no converted folder in {cache_root()}; {convert}.")
-    try:
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(name, allow_patterns=HUB_FILES))
-    except Exception as e:  # no network, unknown id, gated repo ...
-        raise ValueError(
-            f"Model {name!r} is neither a folder, a model converted into {cache_root()} ({convert}) nor a hub id "
-            f"that can be fetched ({type(e).__name__}); pass its folder (source=... or target=...)."
-        ) from None
-
-
-def load_tokenizer(folder: Path):
-    """A model folder's tokenizer as mot_jax reads it (`mot_jax.models.loading.load_tokenizer`), so that the ids and
-    the alignment are the ones the translator was trained on: its tokenizer.json as a `tokenizers.Tokenizer`, else
-    transformers' AutoTokenizer."""
-    if (folder / "tokenizer.json").is_file():
-        from tokenizers import Tokenizer
-
-        return Tokenizer.from_file(str(folder / "tokenizer.json"))
-    return transformers.AutoTokenizer.from_pretrained(str(folder))
 
 
 class CachePipeline:
@@ -461,14 +333,5 @@ class CachePipeline:
         return _left_padded_cache(self.target.config, own, mask)
 
     def _replay(self, ids, mask, k, v, allowed):
-        global _replay
-        cfg = self.translator.config
-        slot = {layer: i for i, layer in enumerate(cfg.target_layers)}
-        _replay = dict(slot=slot, k=k, v=v, allowed=allowed, dense_bottom=cfg.dense_bottom)
-        try:
-            with _attention(self.target, ATTENTION):
-                cache = DynamicCache()  # full-length layers: the sliding ones are cut after the shift
-                self.target(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True)
-        finally:
-            _replay = None
+        cache = replay(self.target, self.translator.config, ids, mask, k, v, allowed)
         return _left_padded_cache(self.target.config, _cache_layers(cache), mask)
