@@ -12,7 +12,8 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from mot_jax.errors import MotJaxError
-from mot_jax.training import corpus, data
+from mot_jax.training import chunk_table, corpus, data
+from mot_jax.training.chunk_table import MIN_DOCUMENT_TOKENS, TextChunks
 from mot_jax.translate.align import adapter
 
 PARAGRAPHS = [
@@ -167,14 +168,14 @@ def stream_of(docs, tok) -> np.ndarray:
     out = []
     for doc in docs:
         doc_ids = ids(tok, doc) if doc.strip() else []
-        if len(doc_ids) >= data.MIN_DOCUMENT_TOKENS:
+        if len(doc_ids) >= MIN_DOCUMENT_TOKENS:
             out += doc_ids + [eos(tok)]
     return np.array(out, np.int32)
 
 
 def test_chunks_are_the_packed_stream(tmp_path, target):
     docs = make_documents(200)
-    chunks = data.TextChunks(docs, target, eos_id=eos(target), total_tokens=T, prefix_tokens=P, cache_dir=tmp_path)
+    chunks = TextChunks(docs, target, eos_id=eos(target), total_tokens=T, prefix_tokens=P, cache_dir=tmp_path)
     stream = stream_of(docs, target)
     np.testing.assert_array_equal(chunks.chunks, stream[: len(stream) // T * T].reshape(-1, T))
     assert chunks.chunks.dtype == np.int32 and chunks.stats["kept_documents"] == len(docs) - 3
@@ -190,10 +191,10 @@ def test_chunks_are_the_packed_stream(tmp_path, target):
 def test_contexts_too_long_for_the_source_are_dropped(tmp_path, target, source):
     docs = make_documents(200)
     kwargs = dict(eos_id=eos(target), total_tokens=T, prefix_tokens=P, cache_dir=tmp_path)
-    every = data.TextChunks(docs, target, **kwargs).chunks
+    every = TextChunks(docs, target, **kwargs).chunks
     lengths = np.array([len(ids(source, adapter(target).decode(c[: P - 1]))) for c in every])
     limit = int(np.median(lengths))
-    kept = data.TextChunks(docs, target, source_tokenizer=source, source_length=limit, **kwargs)
+    kept = TextChunks(docs, target, source_tokenizer=source, source_length=limit, **kwargs)
     np.testing.assert_array_equal(kept.chunks, every[lengths <= limit])
     assert kept.stats["dropped"] == (lengths > limit).sum() > 0
     assert kept.stats["source_length_max"] == lengths.max()
@@ -202,24 +203,24 @@ def test_contexts_too_long_for_the_source_are_dropped(tmp_path, target, source):
 def test_chunk_table_is_cached(tmp_path, target, source, monkeypatch):
     docs = make_documents(200)
     kwargs = dict(eos_id=eos(target), total_tokens=T, prefix_tokens=P, source_tokenizer=source, source_length=S)
-    first = data.TextChunks(docs, target, cache_dir=tmp_path, **kwargs)
+    first = TextChunks(docs, target, cache_dir=tmp_path, **kwargs)
     assert first.path.is_file()
-    monkeypatch.setattr(data, "_token_stream", lambda *a: pytest.fail("re-tokenized"))
-    monkeypatch.setattr(data, "_source_lengths", lambda *a: pytest.fail("re-tokenized"))
-    second = data.TextChunks(docs, target, cache_dir=tmp_path, **kwargs)
+    monkeypatch.setattr(chunk_table, "_token_stream", lambda *a: pytest.fail("re-tokenized"))
+    monkeypatch.setattr(chunk_table, "_source_lengths", lambda *a: pytest.fail("re-tokenized"))
+    second = TextChunks(docs, target, cache_dir=tmp_path, **kwargs)
     np.testing.assert_array_equal(first.chunks, second.chunks)
     assert second.path == first.path and second.stats == first.stats
     with pytest.raises(pytest.fail.Exception, match="re-tokenized"):  # a different key is a different table
-        data.TextChunks(docs, target, cache_dir=tmp_path, **(kwargs | dict(source_length=S + 1)))
+        TextChunks(docs, target, cache_dir=tmp_path, **(kwargs | dict(source_length=S + 1)))
 
 
 def test_chunks_of_a_prepared_corpus_live_in_its_data_dir(tmp_path, target):
     (tmp_path / "c.jsonl").write_text("\n".join(json.dumps({"text": d}) for d in make_documents(100)))
     docs = corpus.documents(str(tmp_path / "c.jsonl"), data_dir=tmp_path / "tfds")["train"]
     kwargs = dict(eos_id=eos(target), total_tokens=T, prefix_tokens=P)
-    chunks = data.TextChunks(docs, target, **kwargs)
+    chunks = TextChunks(docs, target, **kwargs)
     assert chunks.path.parent == tmp_path / "tfds" / "chunks" and len(chunks) > 10
-    np.testing.assert_array_equal(chunks.chunks, data.TextChunks(list(docs), target, cache_dir=tmp_path, **kwargs))
+    np.testing.assert_array_equal(chunks.chunks, TextChunks(list(docs), target, cache_dir=tmp_path, **kwargs))
 
 
 def test_transformers_tokenizers_give_the_same_chunks_and_batches(tmp_path, target, source):
@@ -228,9 +229,9 @@ def test_transformers_tokenizers_give_the_same_chunks_and_batches(tmp_path, targ
     hf_target, hf_source = (PreTrainedTokenizerFast(tokenizer_object=t, eos_token="</s>") for t in (target, source))
     docs, kwargs = make_documents(100), dict(total_tokens=T, prefix_tokens=P, source_length=S)
     with pytest.raises(MotJaxError, match="pass the target's EOS id"):
-        data.TextChunks(docs, target, cache_dir=tmp_path, **kwargs)
-    raw = data.TextChunks(docs, target, eos_id=eos(target), source_tokenizer=source, cache_dir=tmp_path / "a", **kwargs)
-    hf = data.TextChunks(docs, hf_target, source_tokenizer=hf_source, cache_dir=tmp_path / "b", **kwargs)
+        TextChunks(docs, target, cache_dir=tmp_path, **kwargs)
+    raw = TextChunks(docs, target, eos_id=eos(target), source_tokenizer=source, cache_dir=tmp_path / "a", **kwargs)
+    hf = TextChunks(docs, hf_target, source_tokenizer=hf_source, cache_dir=tmp_path / "b", **kwargs)
     np.testing.assert_array_equal(raw.chunks, hf.chunks)  # EOS taken from the transformers tokenizer
     assert_batches_equal(
         data.Batches(raw, B, 0, source, target, S).batch(3), data.Batches(hf, B, 0, hf_source, hf_target, S).batch(3)
@@ -242,7 +243,7 @@ def test_transformers_tokenizers_give_the_same_chunks_and_batches(tmp_path, targ
 
 @pytest.fixture(scope="module")
 def chunks(tmp_path_factory, target, source):
-    return data.TextChunks(
+    return TextChunks(
         make_documents(300),
         target,
         eos_id=eos(target),
