@@ -86,7 +86,7 @@ class TorchTranslatorConfig:
     linear_skip: bool = False  # a linear map per window layer beside the mixture or projector, output added
     shared_slots: int = 32  # lsc: the latent per token, shared_slots x shared_dim
     shared_dim: int = 128
-    source_window: int = 0  # lsc: the source layers it reads (every one); 0 for the others
+    source_window: int = 0  # lsc: how many source layers it reads, as older exports wrote it (0: len(source_layers))
     mode: str = "replay"
     layer_map: tuple = ()
     sparse_attention: bool = True
@@ -106,7 +106,9 @@ class TorchTranslatorConfig:
         outputs = {"mot_h": ("residual",), "interlat": ("embeddings",)}.get(self.kind, ("kv", "hidden"))
         interlat = self.kind == "interlat"  # reads the source's last layer; its widths are the models' embedding
         # widths (OPT's may differ from its hidden size)
-        source_window = self.source_window or (1 if interlat else self.window)
+        source_window = 1 if interlat else self.window  # the source layers read: one per window slot, interlat's last
+        if self.kind == "lsc":  # every one from 0: len(source_layers); an older export's source_window must agree
+            source_window = self.source_window or len(self.source_layers)
         source_read = self.source_hidden_size if self.kind == "mot_h" else self.source_kv_heads * self.source_head_dim
         target_kv_width = self.target_kv_heads * self.target_head_dim
         target_write = self.target_hidden_size if self.outputs in ("hidden", "residual") else target_kv_width
@@ -137,8 +139,13 @@ class TorchTranslatorConfig:
                 self.window >= 1
                 and len(self.target_layers) == self.window
                 and len(self.source_layers) == source_window,
-                f"window={self.window} must equal the number of target_layers and source_window (or window) that of "
-                "source_layers",
+                f"window={self.window} must equal the number of target_layers, and that of source_layers must be "
+                f"{source_window} (window; kind='interlat': 1; kind='lsc': source_window where given)",
+            ),
+            (self.kind == "lsc" or not self.source_window, "source_window is kind='lsc''s; set 0 for the others"),
+            (
+                self.kind != "lsc" or (self.source_layers and self.source_layers == tuple(range(source_window))),
+                "kind='lsc' reads every source layer from 0: source_layers must be 0..n-1",
             ),
             (
                 interlat or self.source_width == source_read * ("source" in self.inputs) + features,
