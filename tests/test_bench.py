@@ -21,6 +21,7 @@ SECTIONS = (
     "## Time to first token: every method",
     "## Training step: configs/smollm2_gemma3.py",
     "## Feature cache: K/V-space training steps, configs/smollm2_gemma3.py",
+    "## Evaluation rate against its compute bound",
 )
 NUMBER = re.compile(r"^-?\d+(\.\d+)?(e[+-]?\d+)?[x%]?$")
 
@@ -55,7 +56,7 @@ def test_quick_page(tmp_path):
     assert re.search(r"^- Machine: .+, \d+ cores.*; jax backend \w+", text, re.M)
     assert re.search(r"^- Versions: jax [\d.]+, jaxlib [\d.]+, flax [\d.]+, torch .+, transformers ", text, re.M)
     found = tables(text)
-    assert len(found) == 9  # models: 2 prefill + 1 decode; mixture, align, ttft (2), train, features
+    assert len(found) == 10  # models: 2 prefill + 1 decode; mixture, align, ttft (2), train, features, eval
     for rows in found:
         assert rows, "a table without data rows"
         for row in rows:

@@ -13,6 +13,8 @@
   python -m mot_jax.bench train --train_dtype=bfloat16 --train_pair=random:DIR_S,random:DIR_T
                                                 # ... in bf16, on random weights of two checkpoints' shapes
   python -m mot_jax.bench features              # K/V-space training steps: frozen forwards live vs the feature cache
+  python -m mot_jax.bench eval                  # the evaluation's examples per second against the compute bound of
+                                                # its prefills (their FLOPs / the machine's measured matmul rate)
   python -m mot_jax.bench --quick --out=/tmp/bench/BENCHMARKS.md   # every part on tiny random models
 
 Time: the whole page takes about 20 minutes on a 2-core CPU with the default `--runs=3` (models ~7, train ~2, align ~1,
@@ -37,6 +39,7 @@ import time
 
 from mot_jax.bench.align import bench_align
 from mot_jax.bench.common import DEFAULT_MIXTURE, QUICK, Plan, log
+from mot_jax.bench.evalrate import bench_eval
 from mot_jax.bench.features import bench_features
 from mot_jax.bench.mixture import bench_mixture
 from mot_jax.bench.models import bench_models
@@ -54,6 +57,7 @@ PARTS = {
     "ttft": bench_ttft,
     "train": bench_train,
     "features": bench_features,
+    "eval": bench_eval,
 }
 
 
@@ -99,6 +103,8 @@ def define_flags():
     flags.DEFINE_multi_string("only", [], only)
     flags.DEFINE_list("train_pair", [], "train: SOURCE,TARGET model names instead of the experiment's own.")
     flags.DEFINE_enum("train_dtype", "", ["", "float32", "bfloat16"], "train: the LLMs' dtype ('': the experiment's).")
+    flags.DEFINE_integer("eval_examples", 32, "eval: examples of the evaluation's answer loop (no context, native).")
+    flags.DEFINE_integer("eval_batch", 16, "eval: its batch size (the evaluation's default).")
     flags.DEFINE_string("out", None, f"Page to write (default {PAGE} when every part runs; the plot goes beside it).")
     flags.DEFINE_bool(
         "quick", False, "Every size tiny (random models, one run): checks the page builds (about 2 minutes on 2 cores)."
@@ -121,6 +127,8 @@ def make_plan(fail) -> Plan:
         fail("--batches and --lengths take comma lists of integers.")
     if f.runs < 1:
         fail("--runs must be at least 1.")
+    if f.eval_examples < 1 or f.eval_batch < 1:
+        fail("--eval_examples and --eval_batch must be at least 1.")
     if set(f.dtypes) - {"float32", "bfloat16"}:
         fail(f"--dtypes takes float32 and/or bfloat16, not {','.join(f.dtypes)}.")
     return Plan(
@@ -137,6 +145,8 @@ def make_plan(fail) -> Plan:
         align=dict(target="gemma3-270m", source="smollm2-135m", length=2048, batches=(1, 8)),
         config_arg="",
         train_dtype=f.train_dtype,
+        eval_examples=f.eval_examples,
+        eval_batch=f.eval_batch,
         **chosen,
     )
 

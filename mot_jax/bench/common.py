@@ -38,6 +38,9 @@ class Plan:
     quick: bool = False
     train_pair: tuple = ()  # train: (source, target) model names instead of the EXPERIMENT's own
     train_dtype: str = ""  # train: the LLMs' dtype instead of the EXPERIMENT's ("")
+    eval_examples: int = 32  # eval: examples of the evaluation's answer loop, in batches of eval_batch
+    eval_batch: int = 16
+    matmul_size: int = 2048  # eval: the square matmul that measures the machine's rate
 
 
 DEFAULT_MIXTURE = dict(
@@ -77,6 +80,9 @@ QUICK = Plan(
     align=dict(target="random:gemma3", source="random:llama", length=128, batches=(1, 2)),
     config_arg="tiny,",
     quick=True,
+    eval_examples=4,
+    eval_batch=2,
+    matmul_size=256,
 )
 
 

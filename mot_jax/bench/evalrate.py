@@ -1,0 +1,188 @@
+"""The eval part: examples per second of the evaluation's own work against the compute bound of that work.
+
+The work: `mot_jax.evaluate`'s answer loop (`evals.tasks.answer_examples`, padded batches, greedy answers, the gold
+answer's log-probability) with its two baselines that need no translator, no context and native context, on the
+target of `--pair`, over synthetic extractive examples drawn past the held-out split (so the evaluation's own split
+stays unread). The bound: the FLOPs of the prefills it runs (every forward over many tokens at once: the context's
+prefill, the question read after the cache, the question and gold answer teacher-forced) over the machine's matmul
+rate, measured here on a square matmul in the model's dtype. The FLOPs are counted in closed form (`forward_flops`)
+on the real tokens, causally, as a perfect kernel would do them: no padding, no masked keys; the decode steps are
+counted apart (memory-bound, one token a step) and added in a second bound.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+import types
+
+from mot_jax.bench.common import Plan, Section, Table, log
+
+GATED = ("llama", "qwen2", "qwen3", "gemma3")  # families whose MLP has gate, up and down projections
+
+
+def linear_flops(cfg) -> int:
+    """Matmul FLOPs per token of one layer's projections: q, k, v, o and the MLP (2 per multiply-add)."""
+    d, h, k, hd, f = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
+    mlp = (3 if cfg.family in GATED else 2) * d * f
+    return 2 * (d * hd * (h + 2 * k) + h * hd * d + mlp)
+
+
+def attended(cfg, layer: int, past: int, new: int) -> int:
+    """Keys the `new` tokens at positions past..past+new-1 attend to in `layer`, summed (causal, the layer's window)."""
+    window = cfg.windows[layer] if cfg.layer_windows else None
+    return sum(min(q + 1, window) if window else q + 1 for q in range(past, past + new))
+
+
+def forward_flops(cfg, new: int, past: int = 0, logits: int = 1) -> int:
+    """Matmul FLOPs of one row's forward over `new` tokens after `past` cached ones, with `logits` positions
+    unembedded: every layer's projections for each new token, attention scores and values over the keys each new
+    token sees, and the unembedding (OPT's projections to and from its word-embedding width included)."""
+    if new <= 0:
+        return 0
+    d, heads, hd = cfg.hidden_size, cfg.num_heads, cfg.head_dim
+    width = getattr(cfg, "word_embed_proj_dim", 0) or d
+    projections = 2 * width * d * (new + logits) if width != d else 0
+    layers = cfg.num_layers * new * linear_flops(cfg)
+    attention = sum(4 * heads * hd * attended(cfg, layer, past, new) for layer in range(cfg.num_layers))
+    return layers + attention + projections + 2 * width * cfg.vocab_size * logits
+
+
+@dataclasses.dataclass
+class Work:
+    """FLOPs of one method's rows: its prefills (parallel forwards) and its decode steps, and the rows counted."""
+
+    prefill: int = 0
+    decode: int = 0
+    rows: int = 0
+
+
+def batch_flops(cfg, prefix: list[int], suffix: list[int], gold: list[int], new_tokens: int) -> Work:
+    """One method's work on a batch, row by row from its real token counts: the context (`prefix` tokens) filled
+    with its last token's logits, then the question (`suffix`) read after it with its last logits, `new_tokens - 1`
+    greedy steps, and the question and the gold answer (`gold` tokens) teacher-forced after the context with one
+    logit per answer token."""
+    work = Work(rows=len(prefix))
+    for p, s, g in zip(prefix, suffix, gold):
+        work.prefill += forward_flops(cfg, p) + forward_flops(cfg, s, past=p)
+        work.prefill += forward_flops(cfg, s + g, past=p, logits=g)
+        work.decode += sum(forward_flops(cfg, 1, past=p + s + j) for j in range(new_tokens - 1))
+    return work
+
+
+def matmul_rate(size: int, dtype: str, runs: int) -> float:
+    """FLOP/s of a jitted [size, size] @ [size, size] matmul in `dtype`, the median of `runs` after a warm-up."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jax.random.normal(jax.random.key(0), (size, size), jnp.float32).astype(dtype)
+    b = jax.random.normal(jax.random.key(1), (size, size), jnp.float32).astype(dtype)
+    product = jax.jit(lambda a, b: a @ b)
+    jax.block_until_ready(product(a, b))
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        jax.block_until_ready(product(a, b))
+        times.append(time.perf_counter() - start)
+    return 2 * size**3 / statistics.median(times)
+
+
+def work_of(models, methods, examples, settings) -> dict[str, Work]:
+    """Each method's Work over the examples, from the batches the evaluation forms (`prompts.batches`)."""
+    from mot_jax.evals.methods import NoContext
+    from mot_jax.evals.prompts import batches, instruction, token_ids
+    from mot_jax.evals.tasks import gold_tokens
+
+    cfg, tokenizer = models.target.config, models.target_tokenizer
+    out = {m.name: Work() for m in methods}
+    for contexts, _, suffix_mask in batches(models, examples, settings):
+        suffix = suffix_mask.sum(1).tolist()
+        gold = gold_tokens(tokenizer, contexts.examples, contexts.chat)[1].sum(1).tolist()
+        native = contexts.mask.sum(1).tolist()
+        bare = [len(t) for t in token_ids(tokenizer, [instruction(e, False) for e in contexts.examples], True)]
+        for method in methods:
+            prefix = bare if isinstance(method, NoContext) else native
+            work, total = batch_flops(cfg, prefix, suffix, gold, settings.max_new_tokens), out[method.name]
+            total.prefill, total.decode, total.rows = (
+                total.prefill + work.prefill,
+                total.decode + work.decode,
+                total.rows + work.rows,
+            )
+    return out
+
+
+def bench_eval(plan: Plan) -> Section:
+    """The evaluation's no-context and native rows on `plan.eval_examples` examples of the pair's target."""
+    from mot_jax.evals import synthetic
+    from mot_jax.evals.methods import Native, NoContext
+    from mot_jax.evals.prompts import Settings, target_chat
+    from mot_jax.evals.tasks import answer_examples
+    from mot_jax.models import tiny
+    from mot_jax.models.loading import load_model, load_tokenizer
+
+    name = plan.pair[1]
+    if name.startswith("tiny-"):  # --quick's pair: the tiny random family
+        name = tiny.PREFIX + name.removeprefix("tiny-")
+    target, tokenizer = load_model(name, "float32")[0], load_tokenizer(name)
+    models = types.SimpleNamespace(source=None, target=target, source_tokenizer=None, target_tokenizer=tokenizer)
+    settings = Settings(plan.eval_batch, plan.decode_tokens, chat=target_chat("auto", name, tokenizer))
+    examples = synthetic.examples("extractive_qa", plan.eval_examples, seed=0, start=synthetic.HELD_OUT)
+    methods = [NoContext(), Native()]
+    for method in methods:
+        method.prepare(models)
+    log(f"  eval: {len(examples)} examples of {name}, batch {plan.eval_batch}: a warm-up pass (compiles)")
+    answer_examples(models, methods, examples, settings)
+    walls, per_method = [], {m.name: [] for m in methods}
+    for _ in range(plan.runs):
+        start = time.perf_counter()
+        rows = answer_examples(models, methods, examples, settings)
+        walls.append(time.perf_counter() - start)
+        for m in methods:
+            per_method[m.name].append(sum(seconds for _, seconds in rows[m.name]["timed"]))
+    import jax
+
+    size = plan.matmul_size if jax.default_backend() == "cpu" or plan.quick else max(plan.matmul_size, 8192)
+    rate = matmul_rate(size, "float32", max(plan.runs, 3))  # an accelerator needs a big one to reach its rate
+    work = work_of(models, methods, examples, settings)
+    n = len(examples)
+    total = Work(sum(w.prefill for w in work.values()), sum(w.decode for w in work.values()))
+    table_rows = []
+    for label, seconds, w in [
+        *((m.name, statistics.median(per_method[m.name]), work[m.name]) for m in methods),
+        ("both rows (wall)", statistics.median(walls), total),
+    ]:
+        prefill, decode = w.prefill / n, w.decode / n
+        measured, bound, bound_all = n / seconds, rate / prefill, rate / (prefill + decode)
+        table_rows.append(
+            (
+                label,
+                f"{measured:.2f}",
+                f"{prefill / 1e9:.2f}",
+                f"{decode / 1e9:.2f}",
+                f"{bound:.1f}",
+                f"{100 * measured / bound:.1f}%",
+                f"{bound_all:.1f}",
+                f"{100 * measured / bound_all:.1f}%",
+            )
+        )
+    header = (
+        "rows",
+        "examples/s",
+        "prefill GFLOP / example",
+        "decode GFLOP / example",
+        "bound, prefills (examples/s)",
+        "share",
+        "bound, prefills + decode",
+        "share",
+    )
+    intro = (
+        f"`python -m mot_jax.evaluate`'s answer loop (padded batches of {plan.eval_batch}, {plan.decode_tokens} greedy "
+        f"tokens, the gold answer's log-probability) on {n} synthetic extractive examples (past the held-out split) "
+        f"of `{name}` (float32), no context and native context, the median of {plan.runs} timed passes after a "
+        f"warm-up pass; against the compute bound of the same work: its FLOPs (real tokens, causal attention, closed "
+        f"form: `mot_jax/bench/evalrate.py`) at the machine's matmul rate, **{rate / 1e9:.1f} GFLOP/s** (float32 "
+        f"[{size}]^2 @ [{size}]^2, median). 'share' is examples/s over the bound: the "
+        "fraction of the machine's matmul rate the run turns into useful work."
+    )
+    return Section("Evaluation rate against its compute bound", intro, [Table(header, table_rows)])
