@@ -62,15 +62,6 @@ if os.environ["JAX_PLATFORMS"] == "cpu" and "xla_cpu_use_fusion_emitters" not in
     _single_device_programs_use_elemental_emitters()
 
 
-def one_device_command_env() -> dict:
-    """The environment of a test command whose programs all run on one device (a tiny training run, an evaluation):
-    its whole process compiles with the elemental emitter, as this process compiles its one-device programs."""
-    flags = os.environ["XLA_FLAGS"]
-    if "xla_cpu_use_fusion_emitters" not in flags:
-        flags += " --xla_cpu_use_fusion_emitters=false"
-    return {**os.environ, "XLA_FLAGS": flags}
-
-
 import gc  # noqa: E402
 
 import pytest  # noqa: E402
@@ -93,7 +84,7 @@ def tiny_run(tmp_path_factory):
     import fcntl
     import json
 
-    from test_train_run import load_config
+    from helpers import load_config
 
     from mot_jax.training import loop
 

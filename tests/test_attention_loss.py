@@ -8,8 +8,8 @@ import optax
 import pytest
 import torch
 from flax import nnx
+from helpers import tiny_batch
 from hf_reference import CONFIGS, padded_batch, run_reference, save_tiny
-from training_helpers import tiny_batch
 
 from mot_jax.jit import jit
 from mot_jax.models.cache import KVCache

@@ -11,11 +11,17 @@ import numpy_reference as nr
 import pytest
 import torch
 from flax import nnx
-from test_evaluate import small_config
-from test_export_pipeline import NEW_TOKENS, TEXT, assert_hf_cache_and_generation, hf_model, jax_greedy
-from test_export_torch import perturb
-from test_train_run import load_config
-from training_helpers import whole_and_resumed
+from helpers import (
+    NEW_TOKENS,
+    TEXT,
+    assert_hf_cache_and_generation,
+    hf_model,
+    jax_greedy,
+    load_config,
+    perturb,
+    small_config,
+    whole_and_resumed,
+)
 
 from mot_jax.errors import MotJaxError
 from mot_jax.evals import run

@@ -3,8 +3,7 @@
 import dataclasses
 
 import numpy as np
-from test_trainer import tiny_config, trainer_for
-from training_helpers import tiny_batch
+from helpers import tiny_batch, tiny_config, trainer_for
 
 from mot_jax import progress
 from mot_jax.training.report import closing_report, evaluation_table

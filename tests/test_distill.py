@@ -5,8 +5,8 @@ import math
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from helpers import tiny_batch
 from scipy.special import logsumexp
-from training_helpers import tiny_batch
 
 from mot_jax.jit import jit
 from mot_jax.training import objective

@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
-from conftest import one_device_command_env
 from flax import nnx
+from helpers import one_device_command_env, small_config
 
 from mot_jax.errors import MotJaxError
 from mot_jax.evals import datasets, metrics, report, run, synthetic
@@ -174,24 +174,6 @@ def trained_workdir(tiny_run):
     """A tiny training run (the translator only needs to exist): the session's quickstart:tiny run, a replay mixture
     of 2 experts between random:llama and random:gemma3 with one checkpoint, of step 2; the tests only read it."""
     return tiny_run[0]
-
-
-def small_config(**overrides):
-    config = defaults()
-    config.update(
-        dict(
-            examples=2,
-            batch_size=2,
-            max_new_tokens=4,
-            relay_tokens=4,
-            budgets="48,96",
-            agents=2,
-            ttft_lengths="32,64",
-            ttft_runs=1,
-        )
-        | overrides
-    )
-    return config
 
 
 @pytest.mark.slow

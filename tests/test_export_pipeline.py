@@ -5,52 +5,20 @@ import os
 import shutil
 from pathlib import Path
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-import transformers
 from flax import nnx
-from safetensors.numpy import save_file
-from test_export_torch import perturb
+from helpers import NEW_TOKENS, TEXT, assert_hf_cache_and_generation, hf_model, jax_greedy, perturb
 
 from mot_jax.errors import MotJaxError
 from mot_jax.export import weights
 from mot_jax.export.torch_pipeline import CachePipeline
 from mot_jax.export.torch_translator import KVTranslator as TorchKVTranslator
 from mot_jax.models import tiny
-from mot_jax.models.base import decode_step
-from mot_jax.models.registry import hf_state_dict
 from mot_jax.translate import channels
 from mot_jax.translate.pipeline import CacheTranslator
 from mot_jax.translate.translator import KVTranslator, TranslationSpec, mixture_config
-
-TEXT = "The lighthouse keeper on Farrow Island counts ships at dawn and writes their names in a blue book."
-NEW_TOKENS = 20
-
-
-def hf_model(name, tmp_path):
-    """The tiny random mot_jax model as a transformers model (eager attention, its folder in `name_or_path`), and the
-    mot_jax model and tokenizer (also in the folder, as tokenizer.json)."""
-    model, config, tokenizer = tiny.load(name)
-    folder = tmp_path / name.replace(":", "_")
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(config))
-    tokenizer.save(str(folder / "tokenizer.json"))
-    save_file({k: np.ascontiguousarray(v) for k, v in hf_state_dict(model).items()}, str(folder / "model.safetensors"))
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        str(folder), attn_implementation="eager", dtype=torch.float32
-    )
-    return model, hf.eval(), tokenizer
-
-
-def jax_greedy(target, cache, suffix):
-    logits, cache = target(jnp.asarray(suffix), cache=cache)
-    tokens = [int(jnp.argmax(logits[0, -1]))]
-    for _ in range(NEW_TOKENS - 1):
-        logits, cache = decode_step(target, jnp.asarray([tokens[-1]], jnp.int32), cache)
-        tokens.append(int(jnp.argmax(logits[0])))
-    return tokens
 
 
 @pytest.fixture(scope="module")
@@ -150,27 +118,6 @@ def test_what_the_pytorch_side_cannot_serve_is_refused_in_one_line(models):
     translator = KVTranslator(spec, mixture_config(spec, source, gpt2, dim=32, heads=4), rngs=nnx.Rngs(0))
     with pytest.raises(MotJaxError, match="outputs='hidden' covers rotary targets .* not 'gpt2'"):
         weights.translator_config(translator, source, gpt2)
-
-
-def assert_hf_cache_and_generation(target_hf, cache, jax_cache, ids, suffix, expected):
-    """The transformers cache equals mot_jax's (every layer's kept slots) and transformers' greedy tokens after it
-    equal mot_jax's `expected` (up to an EOS)."""
-    length = ids.shape[1]
-    for layer, hf_layer in enumerate(cache.layers):  # Gemma-3's sliding layers keep only their window's last slots
-        kept = slice(length - hf_layer.keys.shape[2], length)
-        np.testing.assert_allclose(hf_layer.keys.numpy(), np.asarray(jax_cache.k[layer, :, :, kept]), atol=1e-4)
-        np.testing.assert_allclose(hf_layer.values.numpy(), np.asarray(jax_cache.v[layer, :, :, kept]), atol=1e-4)
-    full = torch.as_tensor(np.concatenate([ids, suffix], 1), dtype=torch.long)
-    out = target_hf.generate(
-        input_ids=full,
-        attention_mask=torch.ones_like(full),
-        cache=cache,
-        max_new_tokens=NEW_TOKENS,
-        do_sample=False,
-        pad_token_id=0,
-    )
-    got = out[0, full.shape[1] :].tolist()
-    assert got == expected[: len(got)] and (len(got) == NEW_TOKENS or got[-1] == 2), (got, expected)  # 2: EOS
 
 
 def test_export_command_writes_the_trained_translator(tiny_run, tmp_path):

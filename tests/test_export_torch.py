@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
+from helpers import perturb
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
@@ -47,15 +48,6 @@ def models():
     d = tiny.hf_config("random:gemma3") | dict(head_dim=8, query_pre_attn_scalar=8)
     gemma = build_model(FAMILIES[d["model_type"]][0].config_from_hf(d), seed=5)
     return {"llama": (llama, llama_tok), "gemma3": (gemma, tiny.tokenizer(d["vocab_size"]))}
-
-
-def perturb(translator, seed, scale=0.05):
-    """Noise on every parameter (LayerNorm scales and biases included) so that init values hide no bug."""
-    state = nnx.state(translator, nnx.Param)
-    leaves, treedef = jax.tree.flatten(state)
-    keys = jax.random.split(jax.random.key(seed), len(leaves))
-    noisy = [leaf + scale * jax.random.normal(k, leaf.shape, leaf.dtype) for leaf, k in zip(leaves, keys)]
-    nnx.update(translator, jax.tree.unflatten(treedef, noisy))
 
 
 def make(source, target, mode="replay", rotary=False, seed=0, **cfg):

@@ -8,8 +8,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 import pytest
-from test_train_run import load_config
-from training_helpers import whole_and_resumed
+from helpers import load_config, whole_and_resumed
 
 from mot_jax.errors import MotJaxError
 from mot_jax.jit import jit

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import re
 
-import gguf
 import numpy as np
 import pytest
-import transformers
+from helpers import gguf_tiny_config, write_gguf
 from hf_reference import padded_batch, run_reference, save_tiny
 
 from mot_jax.convert import convert
@@ -15,113 +14,6 @@ from mot_jax.errors import MotJaxError
 from mot_jax.models import embedded
 from mot_jax.models import gguf as mgguf
 from mot_jax.models.loading import load_model
-
-TINY = {
-    "llama": lambda: transformers.LlamaConfig(
-        num_hidden_layers=2,
-        hidden_size=32,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=64,
-        rope_theta=1e5,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        vocab_size=97,
-    ),
-    # q/k/v biases, GQA, untied head, its own RoPE base and norm eps: as llama.cpp writes Qwen2.5-Coder
-    "qwen2": lambda: transformers.Qwen2Config(
-        num_hidden_layers=2,
-        hidden_size=32,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=64,
-        rope_parameters=dict(rope_type="default", rope_theta=1e6),
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        vocab_size=97,
-        bos_token_id=1,
-        eos_token_id=2,
-    ),
-    # heads x head_dim (4 x 16) wider than hidden_size (32), GQA, tied head (as llama.cpp writes Qwen3-0.6B)
-    "qwen3": lambda: transformers.Qwen3Config(
-        num_hidden_layers=2,
-        hidden_size=32,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        intermediate_size=64,
-        rope_parameters=dict(rope_type="default", rope_theta=1e6),
-        tie_word_embeddings=True,
-        vocab_size=97,
-        bos_token_id=1,  # Qwen3Config has none; the GGUF writer needs ints
-        eos_token_id=2,
-    ),
-    # 7 layers: sliding pattern 6 (layer 5 global), window 4 shorter than the 12-token batch
-    "gemma3": lambda: transformers.Gemma3TextConfig(
-        num_hidden_layers=7,
-        hidden_size=32,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        intermediate_size=64,
-        sliding_window=4,
-        query_pre_attn_scalar=16,
-        vocab_size=97,
-        rope_parameters=dict(
-            full_attention=dict(rope_type="default", rope_theta=1e6),
-            sliding_attention=dict(rope_type="default", rope_theta=1e4),
-        ),
-    ),
-}
-
-
-def write_gguf(path, model, arch):
-    """A float32 GGUF of a transformers model, written the way llama.cpp's converter does (no tokenizer)."""
-    cfg = model.config
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_bos_token_id(cfg.bos_token_id)
-    w.add_eos_token_id(cfg.eos_token_id)
-    if arch == "llama":
-        w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-        w.add_rope_dimension_count(cfg.head_dim)
-    elif arch == "qwen2":
-        w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    elif arch == "qwen3":
-        w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-        w.add_key_length(cfg.head_dim)
-        w.add_value_length(cfg.head_dim)
-    else:
-        w.add_rope_freq_base(cfg.rope_parameters["full_attention"]["rope_theta"])
-        w.add_key_length(cfg.head_dim)
-        w.add_value_length(cfg.head_dim)
-        w.add_sliding_window(cfg.sliding_window)
-    to_gguf = {
-        f"model.layers.{{i}}.{v}": f"blk.{{i}}.{k}" for k, v in {**mgguf.LAYER, **mgguf.ARCH_LAYER[arch]}.items()
-    }
-    to_gguf.update({v: k for k, v in mgguf.TOP.items()})
-    for name, t in model.state_dict().items():
-        if name == "lm_head.weight" and cfg.tie_word_embeddings:
-            continue
-        stem, kind = name.rsplit(".", 1)
-        m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", stem)
-        gname = (to_gguf[f"model.layers.{{i}}.{m[2]}"].format(i=m[1]) if m else to_gguf[stem]) + "." + kind
-        x = t.float().numpy()
-        if arch == "llama" and gname.split(".")[-2] in ("attn_q", "attn_k"):
-            x = mgguf.permute_rope(x, cfg.num_attention_heads if "attn_q" in gname else cfg.num_key_value_heads)
-        if arch == "gemma3" and name.endswith("norm.weight"):
-            x = x + 1.0
-        w.add_tensor(gname, np.ascontiguousarray(x, np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
 
 
 @pytest.fixture
@@ -140,7 +32,7 @@ def check_logits(model, reference):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
 def test_tiny_gguf_matches_transformers(arch, tmp_path, cache):
-    reference = save_tiny(TINY[arch](), tmp_path / "hf")
+    reference = save_tiny(gguf_tiny_config(arch), tmp_path / "hf")
     write_gguf(tmp_path / "tiny.gguf", reference, arch)
     model, config, cache_dir = mgguf.convert(tmp_path / "tiny.gguf")
     assert cache_dir.parent == cache and mgguf.cache_problem(cache_dir) is None
@@ -153,7 +45,7 @@ def test_tiny_gguf_matches_transformers(arch, tmp_path, cache):
 
 
 def test_damaged_cache_is_rebuilt(tmp_path, cache):
-    reference = save_tiny(TINY["llama"](), tmp_path / "hf")
+    reference = save_tiny(gguf_tiny_config("llama"), tmp_path / "hf")
     write_gguf(tmp_path / "tiny.gguf", reference, "llama")
     _, _, cache_dir = mgguf.convert(tmp_path / "tiny.gguf")
     weights = cache_dir / "model.safetensors"
@@ -185,7 +77,7 @@ def test_embedded_model_passes_convert_check(name):
 
 
 def test_gguf_missing_tensor_is_named(tmp_path, cache):
-    reference = save_tiny(TINY["llama"](), tmp_path / "hf")
+    reference = save_tiny(gguf_tiny_config("llama"), tmp_path / "hf")
     write_gguf(tmp_path / "tiny.gguf", reference, "llama")
     config, tensors, _ = mgguf.read_gguf(tmp_path / "tiny.gguf")
     del tensors["model.layers.1.mlp.up_proj.weight"]
@@ -200,7 +92,7 @@ def split_model(tmp_path, cache, monkeypatch):
     import base64
     import hashlib
 
-    reference = save_tiny(TINY["qwen2"](), tmp_path / "hf")
+    reference = save_tiny(gguf_tiny_config("qwen2"), tmp_path / "hf")
     write_gguf(tmp_path / "whole.gguf", reference, "qwen2")
     data = (tmp_path / "whole.gguf").read_bytes()
     site, cut = tmp_path / "site", len(data) // 3

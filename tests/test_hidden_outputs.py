@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
+from helpers import tiny_batch
 from hf_reference import CONFIGS, padded_batch, positions_for, run_reference, save_tiny
-from training_helpers import tiny_batch
 
 from mot_jax.errors import MotJaxError
 from mot_jax.jit import jit

@@ -10,9 +10,7 @@ import numpy as np
 import numpy_reference as nr
 import pytest
 from flax import nnx
-from test_export_torch import perturb
-from test_train_run import load_config
-from training_helpers import whole_and_resumed
+from helpers import load_config, perturb, whole_and_resumed
 
 from mot_jax.errors import MotJaxError
 from mot_jax.evals.methods import method_name

@@ -10,10 +10,7 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
-from test_evaluate import small_config
-from test_export_pipeline import hf_model
-from test_train_run import load_config
-from training_helpers import whole_and_resumed
+from helpers import hf_model, load_config, small_config, whole_and_resumed
 
 from mot_jax.errors import MotJaxError
 from mot_jax.evals import run

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from training_helpers import tiny_batch
+from helpers import tiny_batch
 
 from mot_jax.jit import jit
 from mot_jax.training import objective

@@ -7,11 +7,8 @@ import orbax.checkpoint as ocp
 import pytest
 import torch
 from flax import nnx
+from helpers import Fixed, load_config, perturb, tiny_batch, tiny_config, trainer_for
 from scipy.special import erf
-from test_export_torch import perturb
-from test_train_run import load_config
-from test_trainer import Fixed, tiny_config, trainer_for
-from training_helpers import tiny_batch
 
 from mot_jax.errors import MotJaxError
 from mot_jax.export import torch_translator

@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import gguf_tiny_config, write_gguf
 from hf_reference import save_tiny
-from test_gguf import TINY, write_gguf
 
 PHASES = ("_read_local", "_build", "read_gguf", "examples")
 
@@ -80,7 +80,7 @@ def test_concurrent_processes_build_each_shared_cache_once(tmp_path):
     for i in range(12):
         (source / f"{i:02d}.txt").write_text(f"Document {i} tells of ships, lighthouses and harbours. " * (10 + i))
     gguf_file = tmp_path / "tiny.gguf"
-    write_gguf(gguf_file, save_tiny(TINY["llama"](), tmp_path / "hf"), "llama")
+    write_gguf(gguf_file, save_tiny(gguf_tiny_config("llama"), tmp_path / "hf"), "llama")
     (tmp_path / "worker.py").write_text(WORKER)
     env = {k: v for k, v in os.environ.items() if k != "MOT_JAX_CACHE"} | {"JAX_PLATFORMS": "cpu"}
 

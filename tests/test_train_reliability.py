@@ -15,9 +15,8 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
-from conftest import one_device_command_env
+from helpers import ROOT, TINY_FLAGS, load_config, one_device_command_env, run_cli
 from orbax.checkpoint._src.handlers import json_checkpoint_handler
-from test_train_run import ROOT, TINY, load_config, run_cli
 
 from mot_jax.errors import MotJaxError
 from mot_jax.locks import file_lock
@@ -199,7 +198,7 @@ def signalled_run(workdir, signum: int, at_call: int):
         sys.executable,
         "-c",
         script,
-        *TINY,
+        *TINY_FLAGS,
         f"--workdir={workdir}",
         "--config.steps=6",
         "--config.checkpoint_every=2",

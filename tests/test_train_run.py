@@ -1,55 +1,20 @@
 """`python -m mot_jax.train` as users run it: configs, resume after SIGKILL, checkpoints and errors."""
 
-import importlib.util
 import json
 import shutil
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from conftest import one_device_command_env
+from helpers import ROOT, load_config, run_cli
 
 from mot_jax.errors import MotJaxError
 from mot_jax.training import loop
 
-ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted(p.name for p in (ROOT / "configs").glob("*.py"))
-TINY = ["--config=configs/quickstart.py:replay,tiny"]
-
-
-def load_config(name="quickstart.py", arg="replay,tiny", **overrides):
-    spec = importlib.util.spec_from_file_location(name[:-3], ROOT / "configs" / name)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    config = module.get_config(arg)
-    for key, value in overrides.items():
-        node = config
-        *parents, leaf = key.split(".")
-        for p in parents:
-            node = node[p]
-        node[leaf] = value
-    return config
-
-
-def run_cli(workdir, *flags, kill_at_step=None):
-    """The training command in a fresh process; with `kill_at_step`, it SIGKILLs itself as that step starts."""
-    script = "from mot_jax import train; train.run()"
-    if kill_at_step:
-        script = (
-            "import os, signal; from mot_jax.training import loop; step = loop.Trainer.train_step\n"
-            "def killing(self, batches, calls=[0]):\n"
-            "    calls[0] += 1\n"
-            f"    if calls[0] == {kill_at_step}: os.kill(os.getpid(), signal.SIGKILL)\n"
-            "    return step(self, batches)\n"
-            "loop.Trainer.train_step = killing\n" + script
-        )
-    command = [sys.executable, "-c", script, *TINY, f"--workdir={workdir}", *flags]
-    return subprocess.run(command, cwd=ROOT, env=one_device_command_env(), capture_output=True, text=True, timeout=600)
 
 
 def final_params(workdir, step):

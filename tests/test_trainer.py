@@ -5,37 +5,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from training_helpers import tiny_batch
+from helpers import Fixed, tiny_batch, tiny_config, trainer_for
 
 from mot_jax.errors import MotJaxError
-from mot_jax.training import config as config_lib
-from mot_jax.training.channel_search import resolve_channels
-from mot_jax.training.setup import load_pair, make_mesh, translation
-from mot_jax.training.trainer import Trainer, fit
-
-
-def tiny_config(**translator):
-    c = config_lib.tiny(config_lib.base(), "llama", "gemma3")
-    c.translator.channels.mode = "terminal"
-    c.translator.update(translator)
-    return c
-
-
-class Fixed:
-    """A stream of hand-built batches, cycled."""
-
-    def __init__(self, batches):
-        self.batches = batches
-
-    def batch(self, position):
-        return self.batches[position % len(self.batches)]
-
-
-def trainer_for(c, mesh, steps):
-    pair = load_pair(c)
-    channel_map = resolve_channels(c, pair, None, mesh, None)
-    spec, tcfg = translation(c, channel_map, pair)
-    return Trainer(c, pair, spec, tcfg, mesh, steps), pair
+from mot_jax.training.setup import make_mesh
+from mot_jax.training.trainer import fit
 
 
 @pytest.mark.parametrize("mode", ["replay", "direct"])
