@@ -1,14 +1,15 @@
 """SmolLM2-135M <-> Gemma-3-270M, offline on a CPU: the runs behind RESULTS.md.
 
-The argument picks the run, as a comma list: `replay` (default) or `direct`; `single` (one translator, N=1),
-`projector` (the C2C-Project baseline) or `c2c` (the C2C fuser: the target prefills its context and adds gated
-residuals from the source's K/V at its layers; direct, suffix CE only) or `lsc` (the LSC baseline: every source
-layer's K/V through a shared latent into every target layer's, at the reference's sizes; direct, suffix CE only) or
-`mot_h` (MoT-h: the mixture translates the source's window layers' input residual streams into the target's, which
-replace its own in a dense forward over the context; replay, MoT's loss) or `interlat` (the Interlat baseline: the
-source's last-layer hidden states through the reference's adapter are the target's input embeddings, whose forward
-builds its cache; direct, the suffix CE plus the reference's plan-similarity and random-contrast terms) in place of
-the mixture; `skip` for a
+The argument picks the run, as a comma list: `replay` (default) or `direct`; `single` (one translator, N=1) or
+any other registered translator kind (`mot_jax/translate/kinds/`) in place of the mixture, at its reference's
+settings (`Kind.recipe`): `projector` (the C2C-Project baseline), `linear` (the linear skip alone), `c2c` (the C2C
+fuser: the target prefills its context and adds gated residuals from the source's K/V at its layers; direct, suffix
+CE only), `lsc` (the LSC baseline: every source layer's K/V through a shared latent into every target layer's, at
+the reference's sizes; direct, suffix CE only), `mot_h` (MoT-h: the mixture translates the source's window layers'
+input residual streams into the target's, which replace its own in a dense forward over the context; replay, MoT's
+loss) or `interlat` (the Interlat baseline: the source's last-layer hidden states through the reference's adapter
+are the target's input embeddings, whose forward builds its cache; direct, the suffix CE plus the reference's
+plan-similarity and random-contrast terms); `skip` for a
 least-squares-started linear skip beside the mixtures (with keys translated un-rotated and no output GELU);
 `reverse` for Gemma-3 -> SmolLM2; `tiny` to run it on tiny random models in seconds.
 
@@ -34,22 +35,23 @@ time and result are unmeasured. Measured results and the evaluation commands: RE
 
 from mot_jax.errors import MotJaxError
 from mot_jax.training.config import base, tiny
+from mot_jax.translate import kinds
 
-CHOICES = ("replay", "direct", "single", "projector", "c2c", "lsc", "mot_h", "interlat", "skip", "reverse", "tiny")
-KINDS = ("single", "projector", "c2c", "lsc", "mot_h", "interlat")  # at most one: what replaces the mixture
-DIRECT_ONLY = ("c2c", "lsc", "interlat")
+KINDS = ("single", *(k for k in kinds.names() if k != "mot"))  # at most one: what replaces the mixture
+CHOICES = ("replay", "direct", *KINDS, "skip", "reverse", "tiny")
 
 
 def get_config(arg=None):
     parts = [p for p in (arg or "").split(",") if p]
     unknown = [p for p in parts if p not in CHOICES]
-    kinds = [p for p in parts if p in KINDS]
-    direct = "direct" in parts or any(k in parts for k in DIRECT_ONLY)
-    if unknown or ("replay" in parts and direct) or len(kinds) > 1 or ("mot_h" in parts and direct):
+    chosen = [p for p in parts if p in KINDS]
+    recipe = kinds.get(chosen[0]).recipe if chosen and chosen[0] != "single" else {}
+    forced = recipe.get("translator.mode")  # a kind that runs in one mode only (its reference's)
+    direct = "direct" in parts or forced == "direct"
+    if unknown or ("replay" in parts and direct) or len(chosen) > 1 or (forced == "replay" and "direct" in parts):
         raise MotJaxError(
             f"Bad config argument {arg!r}; pass a comma list of {', '.join(CHOICES)} with at most one of "
-            "replay/direct and one of single/projector/c2c/lsc/mot_h/interlat (c2c, lsc and interlat run direct, "
-            "mot_h replay)."
+            f"replay/direct and one of {'/'.join(KINDS)} (each in its reference's mode where it has one)."
         )
     c = base()
     c.source, c.target = "smollm2-135m", "gemma3-270m"
@@ -65,18 +67,8 @@ def get_config(arg=None):
         c.translator.update(dim=96, heads=2, mlp_ratio=4, fused_output=False)
     if "single" in parts:
         c.translator.num_experts = 1
-    if "projector" in parts:
-        c.translator.kind = "projector"
-    if "c2c" in parts:  # the reference's C2C: its loss is the suffix CE alone
-        c.translator.kind, c.loss.correction_weight = "c2c", 0.0
-    if "lsc" in parts:  # the reference's LSC and its sizes; its loss is the suffix CE alone
-        c.translator.update(kind="lsc", dim=512, heads=16, mlp_ratio=4, shared_slots=32, shared_dim=128)
-        c.loss.correction_weight = 0.0
-    if "mot_h" in parts:  # the reference's MoT-h: MoT's mixture and loss, its window's inputs replaced, dense
-        c.translator.update(kind="mot_h", sparse_attention=False)
-    if "interlat" in parts:  # the reference's Interlat: its adapter's 8 heads; its loss has no K/V MSE
-        c.translator.update(kind="interlat", heads=8)
-        c.loss.correction_weight = 0.0
+    elif chosen:  # the kind and its reference's settings (sizes, loss; `Kind.recipe`)
+        kinds.apply_recipe(c, chosen[0])
     if "skip" in parts:
         c.translator.update(linear_skip=True, rotary=True, output_activation="none")
     c.data.total_tokens, c.data.prefix_tokens, c.data.source_length = 256, 192, 256

@@ -18,7 +18,8 @@ from mot_jax.models.loading import load_model
 from mot_jax.training import trained as trained_lib
 from mot_jax.translate.align import align_batch
 from mot_jax.translate.pipeline import source_prefill, translate_jit
-from mot_jax.translate.translator import KVTranslator, TranslationSpec, mixture_config
+from mot_jax.translate.spec import TranslationSpec
+from mot_jax.translate.translator import KVTranslator, mixture_config
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 WORKDIR = '"/tmp/mot_quickstart"'  # the README's workdir, replaced by the tiny run's

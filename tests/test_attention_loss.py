@@ -21,7 +21,8 @@ from mot_jax.training.setup import load_pair, make_mesh, translation
 from mot_jax.training.trainer import Trainer
 from mot_jax.translate import channels
 from mot_jax.translate import translator as translator_lib
-from mot_jax.translate.translator import KVTranslator, TranslationSpec, mixture_config
+from mot_jax.translate.spec import TranslationSpec
+from mot_jax.translate.translator import KVTranslator, mixture_config
 
 
 def numpy_attention(q, k, v, q_pos, k_pos, k_valid, scale, window, softcap):

@@ -31,10 +31,11 @@ from mot_jax.export.torch_translator import KVTranslator as TorchKVTranslator
 from mot_jax.jit import jit
 from mot_jax.models.base import generate_from_cache, prefill
 from mot_jax.translate import align as alignment_lib
-from mot_jax.translate import c2c
-from mot_jax.translate.expert import TranslatorConfig
+from mot_jax.translate.config import TranslatorConfig
+from mot_jax.translate.kinds import c2c
 from mot_jax.translate.pipeline import CacheTranslator
-from mot_jax.translate.translator import KVTranslator, TranslationSpec, mixture_config, translate
+from mot_jax.translate.spec import TranslationSpec
+from mot_jax.translate.translator import KVTranslator, mixture_config, translate
 
 TINY = dict(kind="c2c", dim=16, heads=2, depth=2, mlp_ratio=2)
 
@@ -105,15 +106,15 @@ def test_reference_shapes_and_defaults():
     )
     np.testing.assert_allclose(samples.mean(0), jax.nn.sigmoid(jnp.array([1.5, -1.0])), atol=0.03)
     # terminal alignment: the top min(Ls, Lt) layers of each, paired from the top
-    deeper_source = TranslationSpec.build("direct", None, 30, 18, fuse=True)
+    deeper_source = TranslationSpec.build("direct", None, 30, 18, kind="c2c")
     assert deeper_source.source_layers == tuple(range(12, 30)) and deeper_source.target_layers == tuple(range(18))
-    deeper_target = TranslationSpec.build("direct", None, 18, 30, fuse=True)
+    deeper_target = TranslationSpec.build("direct", None, 18, 30, kind="c2c")
     assert deeper_target.source_layers == tuple(range(18)) and deeper_target.target_layers == tuple(range(12, 30))
 
 
 def test_closed_gate_is_the_native_prefill_and_its_generation(random_pair):
     source, target, source_tok, target_tok = random_pair
-    spec = TranslationSpec.build("direct", None, source.config.num_layers, target.config.num_layers, fuse=True)
+    spec = TranslationSpec.build("direct", None, source.config.num_layers, target.config.num_layers, kind="c2c")
     translator = KVTranslator(spec, mixture_config(spec, source, target, **TINY), rngs=nnx.Rngs(0))
     ids, mask = alignment_lib.encode_texts(target_tok, ["The cat sat on the mat.", "Hello world, again"])
     ids, mask = jnp.asarray(ids), jnp.asarray(mask)
@@ -137,7 +138,7 @@ def test_closed_gate_is_the_native_prefill_and_its_generation(random_pair):
 
 def test_refused_switches_in_one_line():
     cfg = TranslatorConfig(8, 8, 4, **TINY)
-    build = lambda mode="direct", **kw: TranslationSpec.build(mode, None, 4, 4, fuse=True, **kw)
+    build = lambda mode="direct", **kw: TranslationSpec.build(mode, None, 4, 4, kind="c2c", **kw)
     from mot_jax.translate import channels
 
     replay = TranslationSpec.build("replay", channels.terminal(4, 4, 0.5), 4, 4)
@@ -186,7 +187,7 @@ def test_a_tiny_run_trains_resumes_and_evaluates(tmp_path, monkeypatch):
 def c2c_translator(source, target, seed=0):
     """A perturbed fuser pair over the terminal window, one gate closed (hard gate 0) and the others open."""
     s, t = source.config, target.config
-    spec = TranslationSpec.build("direct", None, s.num_layers, t.num_layers, fuse=True)
+    spec = TranslationSpec.build("direct", None, s.num_layers, t.num_layers, kind="c2c")
     translator = KVTranslator(spec, mixture_config(spec, source, target, **TINY), rngs=nnx.Rngs(seed))
     perturb(translator, seed + 1)
     for fuser in (translator.key, translator.value):

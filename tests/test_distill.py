@@ -14,7 +14,8 @@ from mot_jax.training.config import base
 from mot_jax.translate import channels
 from mot_jax.translate import translator as translator_lib
 from mot_jax.translate.pipeline import translate_jit
-from mot_jax.translate.translator import KVTranslator, TranslationSpec, mixture_config
+from mot_jax.translate.spec import TranslationSpec
+from mot_jax.translate.translator import KVTranslator, mixture_config
 
 
 def test_kl_closed_form():

@@ -41,7 +41,8 @@ from mot_jax.progress import Progress
 from mot_jax.training.config import base, tiny
 from mot_jax.training.setup import load_pair
 from mot_jax.translate import align as alignment_lib
-from mot_jax.translate.translator import KVTranslator, TranslationSpec, mixture_config
+from mot_jax.translate.spec import TranslationSpec
+from mot_jax.translate.translator import KVTranslator, mixture_config
 
 ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = Settings(batch_size=2, max_new_tokens=6)

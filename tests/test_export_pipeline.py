@@ -18,7 +18,8 @@ from mot_jax.export.torch_translator import KVTranslator as TorchKVTranslator
 from mot_jax.models import tiny
 from mot_jax.translate import channels
 from mot_jax.translate.pipeline import CacheTranslator
-from mot_jax.translate.translator import KVTranslator, TranslationSpec, mixture_config
+from mot_jax.translate.spec import TranslationSpec
+from mot_jax.translate.translator import KVTranslator, mixture_config
 
 
 @pytest.fixture(scope="module")
@@ -73,9 +74,10 @@ def test_the_dials_switches_and_lsc_serve_in_transformers_as_in_mot_jax(models, 
     source, target = models["random:llama"][0], models["random:gemma3"][0]
     ls, lt = source.config.num_layers, target.config.num_layers
     spec = TranslationSpec.build(
-        "direct", None, ls, lt, native_bottom=bottom, inputs=inputs, outputs=outputs, every_source_layer=kind == "lsc"
+        "direct", None, ls, lt, native_bottom=bottom, inputs=inputs, outputs=outputs, kind=kind
     )
-    sizes = dict(dim=32, heads=4, depth=1, mlp_ratio=2, num_experts=2, dispatch="dense", shared_slots=4, shared_dim=8)
+    sizes = dict(dim=32, heads=4, depth=1, mlp_ratio=2, num_experts=2, dispatch="dense")
+    sizes |= dict(shared_slots=4, shared_dim=8) if kind == "lsc" else {}
     cfg = mixture_config(spec, source, target, kind=kind, linear_skip=kind != "lsc", **sizes)
     translator = KVTranslator(spec, cfg, rngs=nnx.Rngs(3))
     perturb(translator, seed=4)  # the linear skip starts at zero
@@ -96,10 +98,10 @@ def baseline(kind, source, target):
     """A small Interlat adapter or MoT-h mixture (over the top half of the target's layers), perturbed."""
     ls, lt = source.config.num_layers, target.config.num_layers
     if kind == "interlat":
-        spec, sizes = TranslationSpec.build("direct", None, ls, lt, latents=True), dict(heads=4)
+        spec, sizes = TranslationSpec.build("direct", None, ls, lt, kind="interlat"), dict(heads=4)
     else:
         spec = TranslationSpec.build(
-            "replay", channels.terminal(ls, lt, 0.5), ls, lt, residual=True, sparse_attention=False
+            "replay", channels.terminal(ls, lt, 0.5), ls, lt, kind="mot_h", sparse_attention=False
         )
         sizes = dict(dim=32, heads=4, depth=1, mlp_ratio=2, num_experts=2, dispatch="dense")
     translator = KVTranslator(spec, mixture_config(spec, source, target, kind=kind, **sizes), rngs=nnx.Rngs(3))

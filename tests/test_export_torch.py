@@ -24,10 +24,12 @@ from mot_jax.export.weights import export, translator_config, translator_tensors
 from mot_jax.jit import jit
 from mot_jax.models import tiny
 from mot_jax.models.registry import FAMILIES, build_model
-from mot_jax.translate import channels
+from mot_jax.translate import channels, kinds
 from mot_jax.translate.align import align_batch
-from mot_jax.translate.expert import TranslatorConfig
-from mot_jax.translate.translator import KVTranslator, TranslationSpec, translate_window
+from mot_jax.translate.config import TranslatorConfig
+from mot_jax.translate.spec import TranslationSpec
+from mot_jax.translate.translator import KVTranslator
+from mot_jax.translate.window import translate_window
 
 torch.set_default_dtype(torch.float32)
 ATOL = 1e-4
@@ -120,7 +122,7 @@ def test_interlat_adapter_matches(models, tmp_path):
     """Widths that differ (the input projection), a head count that does not divide the width (6 -> 5 of 40), padding
     keys hidden, and scales large enough that the clip acts."""
     source, target = models["llama"][0], models["gemma3"][0]
-    spec = TranslationSpec.build("direct", None, 4, 4, latents=True)
+    spec = TranslationSpec.build("direct", None, 4, 4, kind="interlat")
     jt = KVTranslator(spec, TranslatorConfig(12, 40, 4, kind="interlat", heads=6), rngs=nnx.Rngs(2))
     perturb(jt, seed=3)
     for name, value in (("scale", 1.5), ("output_scale", 3.0)):  # larger than at init, so some outputs clip
@@ -291,19 +293,22 @@ def test_config_is_plain_json(models):
 
 
 def test_torch_config_mirrors_the_jax_fields_and_defaults():
-    jax_fields = {f.name: f for cls in (TranslatorConfig, TranslationSpec) for f in dataclasses.fields(cls)}
-    torch_fields = {f.name: f for f in dataclasses.fields(torch_translator.TorchTranslatorConfig)}
+    # every field a JAX translator has (the kinds' own too, `Kind.fields`), name -> default (MISSING: required)
+    jax_fields = {f.name: f.default for cls in (TranslatorConfig, TranslationSpec) for f in dataclasses.fields(cls)}
+    jax_fields = {k: v for k, v in jax_fields.items() if k != "options"} | kinds.fields()
+    torch_fields = {f.name: f.default for f in dataclasses.fields(torch_translator.TorchTranslatorConfig)}
     assert jax_fields.keys() <= torch_fields.keys()
-    # and the torch side adds the models' cache shapes, which translator_config writes beside the fields
+    # and the torch side adds the models' cache shapes, which translator_config writes beside the fields, and reads
+    # LSC's source_window from exports made before its spec gave it
     shapes = {f"{side}_{name}" for side in ("source", "target") for name in ("num_layers", "kv_heads", "head_dim")}
     shapes |= {"source_rotary", "target_rotary", "target_hidden_size", "source_hidden_size"}
-    assert torch_fields.keys() - jax_fields.keys() == shapes
+    assert torch_fields.keys() - jax_fields.keys() == shapes | {"source_window"}
     shared = jax_fields.keys() & torch_fields.keys()
-    defaulted = {n for n in shared if jax_fields[n].default is not MISSING}
-    defaults = lambda fields: {n: fields[n].default for n in defaulted}
+    defaulted = {n for n in shared if jax_fields[n] is not MISSING}
+    defaults = lambda fields: {n: fields[n] for n in defaulted}
     assert defaults(torch_fields) == defaults(jax_fields)
     # required in JAX and given a default in torch (every export writes them): the replay's mode and layer map
-    required = lambda fields: {n for n in shared if fields[n].default is MISSING}
+    required = lambda fields: {n for n in shared if fields[n] is MISSING}
     assert required(jax_fields) - required(torch_fields) == {"mode", "layer_map"}
     assert not required(torch_fields) - required(jax_fields)
 

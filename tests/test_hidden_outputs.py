@@ -17,14 +17,9 @@ from mot_jax.models.loading import load_model
 from mot_jax.training import objective
 from mot_jax.translate.linear_skip import linear_skip_sums, solve_linear_skip
 from mot_jax.translate.pipeline import source_prefill, translate_jit
-from mot_jax.translate.translator import (
-    KVTranslator,
-    TranslationSpec,
-    mixture_config,
-    rms_normalized,
-    run_native_bottom,
-    window_inputs,
-)
+from mot_jax.translate.spec import TranslationSpec
+from mot_jax.translate.translator import KVTranslator, mixture_config
+from mot_jax.translate.window import rms_normalized, run_native_bottom, window_inputs
 
 FAMILIES = [  # one variant each, the quirks of K: GQA, q/k norms, sliding local RoPE, llama3 RoPE, biases, post-LN
     ("llama", "llama3_rope"),

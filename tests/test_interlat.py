@@ -19,17 +19,19 @@ from mot_jax.evals.methods import method_name
 from mot_jax.jit import jit
 from mot_jax.models import tiny
 from mot_jax.models.base import generate_from_cache, prefill
-from mot_jax.translate import channels, interlat
+from mot_jax.translate import channels
 from mot_jax.translate.align import encode_texts, identity_alignment
-from mot_jax.translate.expert import TranslatorConfig
+from mot_jax.translate.config import TranslatorConfig
+from mot_jax.translate.kinds import interlat
 from mot_jax.translate.pipeline import source_prefill, translate_jit
-from mot_jax.translate.translator import KVTranslator, TranslationSpec, mixture_config, source_read, translate
+from mot_jax.translate.spec import TranslationSpec
+from mot_jax.translate.translator import KVTranslator, mixture_config, source_read, translate
 
 TINY = dict(kind="interlat", heads=4)
 
 
 def spec_for(ls, lt, **kw):
-    return TranslationSpec.build("direct", None, ls, lt, latents=True, **kw)
+    return TranslationSpec.build("direct", None, ls, lt, kind="interlat", **kw)
 
 
 def adapter_params(ds, d):
@@ -74,11 +76,11 @@ def test_reference_shapes_defaults_and_refusals():
     assert method_name(named) == "Interlat"
 
     for bad, why in (
-        (TranslationSpec.build("replay", channels.terminal(6, 4, 0.5), 6, 4, latents=True), "set mode='direct'"),
+        (TranslationSpec.build("replay", channels.terminal(6, 4, 0.5), 6, 4, kind="interlat"), "set mode='direct'"),
         (spec_for(6, 4, native_bottom=1), "set native_bottom=0"),
         (spec_for(6, 4, rotary=True), "set rotary=False"),
         (spec_for(6, 4, inputs=("source", "embeddings")), "set inputs='source'"),
-        (TranslationSpec.build("direct", None, 6, 4), "latents=True"),
+        (TranslationSpec.build("direct", None, 6, 4), "kind='interlat'"),
     ):
         with pytest.raises(MotJaxError, match=f"^kind='interlat' .*{why}.*\\.$"):
             KVTranslator(bad, cfg, rngs=nnx.Rngs(0))

@@ -12,13 +12,9 @@ from mot_jax.jit import jit
 from mot_jax.training import objective
 from mot_jax.translate import channels
 from mot_jax.translate.linear_skip import linear_skip_sums, solve_linear_skip
-from mot_jax.translate.translator import (
-    KVTranslator,
-    TranslationSpec,
-    mixture_config,
-    run_native_bottom,
-    translate_window,
-)
+from mot_jax.translate.spec import TranslationSpec
+from mot_jax.translate.translator import KVTranslator, mixture_config
+from mot_jax.translate.window import run_native_bottom, translate_window
 
 
 @pytest.fixture(scope="module")

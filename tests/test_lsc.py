@@ -15,12 +15,14 @@ from helpers import load_config, perturb, whole_and_resumed
 from mot_jax.errors import MotJaxError
 from mot_jax.evals.methods import method_name
 from mot_jax.jit import jit
-from mot_jax.translate import channels, lsc
-from mot_jax.translate.expert import TranslatorConfig
-from mot_jax.translate.translator import KVTranslator, TranslationSpec, mixture_config
+from mot_jax.translate import channels
+from mot_jax.translate.config import TranslatorConfig
+from mot_jax.translate.kinds import lsc
+from mot_jax.translate.spec import TranslationSpec
+from mot_jax.translate.translator import KVTranslator, mixture_config
 
 # 3 source layers of K width 12 into 2 target layers of width 8, through a latent of 3 slots x 4 per token
-TINY = dict(kind="lsc", dim=16, heads=2, mlp_ratio=2, shared_slots=3, shared_dim=4, source_window=3)
+TINY = dict(kind="lsc", dim=16, heads=2, mlp_ratio=2, shared_slots=3, shared_dim=4)
 
 
 @jit
@@ -75,9 +77,12 @@ def numpy_lsc(p, x, heads, output_gelu=True):
 
 
 def test_reference_defaults_shapes_and_parameter_count():
-    cfg = TranslatorConfig(12, 8, 2, **TINY)
-    assert (TranslatorConfig(1, 1, 1).shared_slots, TranslatorConfig(1, 1, 1).shared_dim) == (32, 128)
-    module = lsc.LatentTranslator(cfg, rngs=nnx.Rngs(0))
+    cfg = TranslatorConfig(12, 8, 2, **TINY)  # 3 source layers
+    assert (TranslatorConfig(1, 1, 1, kind="lsc").shared_slots, TranslatorConfig(1, 1, 1, kind="lsc").shared_dim) == (
+        32,
+        128,
+    )
+    module = lsc.LatentTranslator(cfg, 3, rngs=nnx.Rngs(0))
     x = jax.random.normal(jax.random.key(1), (2, 5, 3, 12))
     visible = jnp.ones((2, 1, 5), bool)
     assert module.to_shared(x, visible).shape == (2, 5, 3, 4)  # slots x dim per token
@@ -88,21 +93,23 @@ def test_reference_defaults_shapes_and_parameter_count():
     count = sum(a.size for a in jax.tree.leaves(nnx.state(module, nnx.Param)))
     assert count == lsc_params(3, 12, 2, 8, d=16, r=2, slots=3, dim=4)
     # the reference's sizes: translator dim 512, ratio 4, 32 x 128, on SmolLM2 (30 x 192) -> Gemma-3 (18 x 256)
-    big = TranslatorConfig(192, 256, 18, kind="lsc", dim=512, heads=16, mlp_ratio=4, source_window=30)
-    abstract = nnx.eval_shape(lambda: lsc.LatentTranslator(big, rngs=nnx.Rngs(0)))
+    big = TranslatorConfig(192, 256, 18, kind="lsc", dim=512, heads=16, mlp_ratio=4)
+    abstract = nnx.eval_shape(lambda: lsc.LatentTranslator(big, 30, rngs=nnx.Rngs(0)))
     count = sum(a.size for a in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
     assert count == lsc_params(30, 192, 18, 256, d=512, r=4, slots=32, dim=128)
     # the spec reads every source layer and writes every target layer; the config knows both depths
     for ls, lt in ((6, 4), (4, 6)):
-        spec = TranslationSpec.build("direct", None, ls, lt, every_source_layer=True)
+        spec = TranslationSpec.build("direct", None, ls, lt, kind="lsc")
         assert spec.source_layers == tuple(range(ls)) and spec.target_layers == tuple(range(lt))
     model = lambda kv_heads, head_dim: SimpleNamespace(
         config=SimpleNamespace(num_kv_heads=kv_heads, head_dim=head_dim, hidden_size=32)
     )
     source, target = model(3, 4), model(1, 8)
     tcfg = mixture_config(spec, source, target, kind="lsc")  # 4 source layers, 6 target layers
-    assert (tcfg.source_width, tcfg.target_width, tcfg.source_window, tcfg.window) == (12, 8, 4, 6)
-    assert mixture_config(spec, source, target).source_window == 0  # the other kinds: unchanged
+    assert (tcfg.source_width, tcfg.target_width, tcfg.window, tcfg.shared_slots) == (12, 8, 6, 32)
+    assert "shared_slots" not in mixture_config(spec, source, target).to_dict()  # the other kinds: not theirs
+    translator = nnx.eval_shape(lambda: KVTranslator(spec, tcfg, rngs=nnx.Rngs(0)))
+    assert translator.key.to_shared.blocks.in_proj.kernel.shape[0] == 4  # a block per source layer the spec reads
     named = load_config("smollm2_gemma3.py", "lsc").translator  # the reference's sizes
     assert [named[k] for k in ("dim", "heads", "mlp_ratio", "shared_slots", "shared_dim")] == [512, 16, 4, 32, 128]
     assert method_name(load_config("smollm2_gemma3.py", "lsc")) == "LSC"
@@ -111,7 +118,7 @@ def test_reference_defaults_shapes_and_parameter_count():
 @pytest.mark.parametrize("output_activation", ["gelu", "none"])
 def test_forward_equals_the_reference_in_numpy(output_activation):
     cfg = TranslatorConfig(12, 8, 2, **TINY, output_activation=output_activation)
-    module = lsc.LatentTranslator(cfg, rngs=nnx.Rngs(0))
+    module = lsc.LatentTranslator(cfg, 3, rngs=nnx.Rngs(0))
     perturb(module, seed=1)
     x = jax.random.normal(jax.random.key(2), (2, 5, 3, 12))
     latent, want = numpy_lsc(
@@ -127,24 +134,20 @@ def test_forward_equals_the_reference_in_numpy(output_activation):
 
 
 def test_refused_switches_in_one_line():
-    cfg = TranslatorConfig(8, 8, 4, **(TINY | dict(source_window=4)))
-    build = lambda **kw: TranslationSpec.build("direct", None, 4, 4, every_source_layer=True, **kw)
+    cfg = TranslatorConfig(8, 8, 4, **TINY)
+    build = lambda **kw: TranslationSpec.build("direct", None, 4, 4, kind="lsc", **kw)
     replay = TranslationSpec.build("replay", channels.terminal(4, 4, 0.5), 4, 4)
     for spec, why in (
         (replay, "no replay"),
         (build(native_bottom=1), "native_bottom=0"),
         (build(outputs="hidden"), "outputs='kv'"),
         (build(inputs=("source", "embeddings")), "inputs='source'"),
-        (TranslationSpec.build("direct", None, 6, 4), "every_source_layer=True"),  # the full-depth map: 4 of 6
+        (TranslationSpec.build("direct", None, 6, 4), "kind='lsc'"),  # the full-depth map: 4 of 6
     ):
         with pytest.raises(MotJaxError, match=f"^kind='lsc' .*{why}.*\\.$"):
             KVTranslator(spec, cfg, rngs=nnx.Rngs(0))
     with pytest.raises(MotJaxError, match="^kind='lsc' has no linear skip"):
-        KVTranslator(
-            build(), TranslatorConfig(8, 8, 4, **(TINY | dict(source_window=4, linear_skip=True))), rngs=nnx.Rngs(0)
-        )
-    with pytest.raises(MotJaxError, match="^kind='lsc' .* set source_window"):
-        KVTranslator(build(), TranslatorConfig(8, 8, 4, **TINY), rngs=nnx.Rngs(0))  # 3 source layers, spec 4
+        KVTranslator(build(), TranslatorConfig(8, 8, 4, **(TINY | dict(linear_skip=True))), rngs=nnx.Rngs(0))
     for arg in ("lsc,replay", "lsc,c2c"):
         with pytest.raises(MotJaxError, match="Bad config argument"):
             load_config("smollm2_gemma3.py", arg)
@@ -159,7 +162,8 @@ def test_a_tiny_run_trains_and_resumes(tmp_path, monkeypatch):
     assert (t.kind, t.mode, config.loss.correction_weight) == ("lsc", "direct", 0)
     whole, trained = whole_and_resumed(config, tmp_path, monkeypatch, stop_after=1)
     assert isinstance(trained[0].key, lsc.LatentTranslator)
-    assert trained[0].spec.source_layers == tuple(range(trained[0].cfg.source_window))  # every source layer
+    read = trained[0].key.to_shared.blocks.in_proj.kernel.shape[0]  # a block per source layer read
+    assert trained[0].spec.source_layers == tuple(range(read)) and read == 4  # every layer of the tiny source
     for a, b in zip(*(jax.tree.leaves(nnx.state(t, nnx.Param)) for t in trained), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
     assert np.isfinite(whole["final_validation"]["loss"])

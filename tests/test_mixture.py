@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding
 from mot_jax import sharding
 from mot_jax.errors import MotJaxError
 from mot_jax.jit import jit
-from mot_jax.translate.expert import TranslatorConfig
+from mot_jax.translate.config import TranslatorConfig
 from mot_jax.translate.mixture import MixtureOfTranslators
 
 TINY = TranslatorConfig(source_width=12, target_width=20, window=3, dim=32, heads=4, depth=2)

@@ -20,10 +20,11 @@ from mot_jax.models import tiny
 from mot_jax.models.base import Injection, generate_from_cache, prefill
 from mot_jax.translate import channels
 from mot_jax.translate.align import encode_texts, identity_alignment
-from mot_jax.translate.expert import TranslatorConfig
+from mot_jax.translate.config import TranslatorConfig
 from mot_jax.translate.mixture import MixtureOfTranslators
 from mot_jax.translate.pipeline import source_prefill, translate_jit
-from mot_jax.translate.translator import KVTranslator, TranslationSpec, mixture_config
+from mot_jax.translate.spec import TranslationSpec
+from mot_jax.translate.translator import KVTranslator, mixture_config
 
 TINY = dict(kind="mot_h", dim=16, heads=2, depth=1, mlp_ratio=2)
 
@@ -31,7 +32,7 @@ TINY = dict(kind="mot_h", dim=16, heads=2, depth=1, mlp_ratio=2)
 def spec_for(ls, lt, **kw):
     """A MoT-h spec over the top half of the target's layers (terminal channel map), dense attention."""
     kw = dict(sparse_attention=False) | kw
-    return TranslationSpec.build("replay", channels.terminal(ls, lt, 0.5), ls, lt, residual=True, **kw)
+    return TranslationSpec.build("replay", channels.terminal(ls, lt, 0.5), ls, lt, kind="mot_h", **kw)
 
 
 def test_reference_shapes_defaults_and_refusals():
@@ -59,7 +60,7 @@ def test_reference_shapes_defaults_and_refusals():
 
     for bad, why in (
         (spec_for(6, 4, sparse_attention=True), "set sparse_attention=False"),
-        (TranslationSpec.build("direct", None, 6, 4, residual=True), "set mode='replay'"),
+        (TranslationSpec.build("direct", None, 6, 4, kind="mot_h"), "set mode='replay'"),
         (spec_for(6, 4, rotary=True), "set rotary=False"),
         (spec_for(6, 4, inputs=("source", "embeddings")), "set inputs='source'"),
         (TranslationSpec.build("replay", channels.terminal(6, 4, 0.5), 6, 4, sparse_attention=False), "residual"),

@@ -13,13 +13,9 @@ from mot_jax.models.base import prefill
 from mot_jax.translate import channels
 from mot_jax.translate.align import align_batch, identity_alignment
 from mot_jax.translate.pipeline import source_prefill, translate_jit
-from mot_jax.translate.translator import (
-    KVTranslator,
-    TranslationSpec,
-    mixture_config,
-    run_native_bottom,
-    window_inputs,
-)
+from mot_jax.translate.spec import TranslationSpec
+from mot_jax.translate.translator import KVTranslator, mixture_config
+from mot_jax.translate.window import run_native_bottom, window_inputs
 
 
 def make(source, target, native_bottom, inputs=("source",), **cfg):

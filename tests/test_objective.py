@@ -13,7 +13,8 @@ from mot_jax.training import objective
 from mot_jax.training.optim import warmup_cosine
 from mot_jax.translate import channels
 from mot_jax.translate import translator as translator_lib
-from mot_jax.translate.translator import KVTranslator, TranslationSpec, mixture_config
+from mot_jax.translate.spec import TranslationSpec
+from mot_jax.translate.translator import KVTranslator, mixture_config
 
 
 @pytest.mark.parametrize("mode", ["replay", "direct"])

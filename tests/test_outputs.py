@@ -18,7 +18,8 @@ from mot_jax.export import weights
 from mot_jax.models import tiny
 from mot_jax.models.registry import FAMILIES
 from mot_jax.translate import channels
-from mot_jax.translate.translator import KVTranslator, TranslationSpec, mixture_config
+from mot_jax.translate.spec import TranslationSpec
+from mot_jax.translate.translator import KVTranslator, mixture_config
 
 REFUSED = "choose another output folder"
 

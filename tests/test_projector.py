@@ -19,9 +19,10 @@ from mot_jax.training.setup import check_identity, make_mesh
 from mot_jax.training.trained import load_trained
 from mot_jax.training.trainer import fit
 from mot_jax.translate import channels
-from mot_jax.translate.expert import TranslatorConfig
-from mot_jax.translate.projector import Projector
-from mot_jax.translate.translator import KVTranslator, TranslationSpec
+from mot_jax.translate.config import TranslatorConfig
+from mot_jax.translate.kinds.projector import Projector
+from mot_jax.translate.spec import TranslationSpec
+from mot_jax.translate.translator import KVTranslator
 
 
 @jit
@@ -107,9 +108,10 @@ def test_workdir_round_trip_export_and_resume_with_another_kind(tmp_path):
 
 
 def test_runs_saved_before_the_kind_and_linear_skip_keys_still_resume_as_mixtures_without_skip(tmp_path):
-    lsc = dict(shared_slots=32, shared_dim=128, source_window=0)  # kind="lsc"'s fields, added later
-    current = {"translator": {"dim": 32, "kind": "mot", "linear_skip": False} | lsc}
-    check_identity({"translator": {"dim": 32}}, current, tmp_path)  # no error
+    current = {"translator": {"dim": 32, "kind": "mot", "linear_skip": False}}
+    lsc = dict(shared_slots=32, shared_dim=128, source_window=0)  # saved by every run before LSC held its own
+    for saved in ({"dim": 32}, {"dim": 32} | lsc):
+        check_identity({"translator": saved}, current, tmp_path)  # no error
     for changed in ({"kind": "projector"}, {"linear_skip": True}):
         with pytest.raises(MotJaxError, match="differs in: translator"):
             check_identity({"translator": {"dim": 32}}, {"translator": current["translator"] | changed}, tmp_path)

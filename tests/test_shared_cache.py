@@ -26,7 +26,7 @@ os.environ["MOT_JAX_CACHE"] = str(root / "cache")
 from mot_jax.evals import datasets, synthetic
 from mot_jax import progress
 from mot_jax.models import gguf, tiny
-from mot_jax.training import corpus, data
+from mot_jax.training import chunk_table, corpus, data
 
 progress.EVERY = 0  # a progress line at every step (stderr is a pipe, not a terminal)
 
@@ -62,7 +62,7 @@ barrier("corpus")
 docs = corpus.documents(sys.argv[3])
 out["corpus"] = digest("\0".join([*docs["train"], "\1", *docs["validation"]]))
 barrier("chunks")
-chunks = data.TextChunks(docs["train"], tiny.tokenizer(97), eos_id=0, total_tokens=16, prefix_tokens=8)
+chunks = chunk_table.TextChunks(docs["train"], tiny.tokenizer(97), eos_id=0, total_tokens=16, prefix_tokens=8)
 out["chunks"] = digest(chunks.chunks.tobytes().hex())
 barrier("gguf")
 _, _, cache_dir = gguf.convert(Path(sys.argv[4]), load=False)
@@ -108,12 +108,12 @@ def test_concurrent_processes_build_each_shared_cache_once(tmp_path):
 def test_long_cache_builds_report_progress_when_stderr_is_not_a_terminal(tmp_path, monkeypatch, capsys):
     from mot_jax import progress
     from mot_jax.models import tiny
-    from mot_jax.training import data
+    from mot_jax.training import chunk_table
 
     monkeypatch.setattr(progress, "EVERY", 0.0)
     texts = [f"Document {i} tells of ships, lighthouses and harbours." * 3 for i in range(5)]
     tokenizer = tiny.tokenizer(97)
-    data.TextChunks(
+    chunk_table.TextChunks(
         texts,
         tokenizer,
         eos_id=0,

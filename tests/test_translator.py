@@ -17,13 +17,9 @@ from mot_jax.models.loading import load_model
 from mot_jax.translate import channels
 from mot_jax.translate.align import Alignment, identity_alignment
 from mot_jax.translate.pipeline import CacheTranslator, source_prefill, translate_jit
-from mot_jax.translate.translator import (
-    KVTranslator,
-    TranslationSpec,
-    mixture_config,
-    sparse_indices,
-    window_block,
-)
+from mot_jax.translate.spec import TranslationSpec
+from mot_jax.translate.translator import KVTranslator, mixture_config, sparse_indices
+from mot_jax.translate.window import window_block
 
 SMALL = dict(dim=32, heads=4, depth=1, num_experts=2, top_k=1)
 

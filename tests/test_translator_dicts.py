@@ -8,8 +8,8 @@ import pytest
 from mot_jax.errors import MotJaxError
 from mot_jax.training.setup import check_identity
 from mot_jax.translate import channels
-from mot_jax.translate.expert import TranslatorConfig
-from mot_jax.translate.translator import TranslationSpec
+from mot_jax.translate.config import TranslatorConfig
+from mot_jax.translate.spec import TranslationSpec
 
 SPECS = [
     TranslationSpec.build("replay", channels.terminal(4, 6, 0.5), 4, 6, k_attn=4, rotary=True),
@@ -19,7 +19,7 @@ CONFIGS = [TranslatorConfig(24, 16, 3, dim=32, heads=4), TranslatorConfig(8, 8, 
 # the fields added after runs were saved (a saved dict without them is one of those runs)
 ADDED = {
     TranslationSpec: ("native_bottom", "inputs", "outputs"),
-    TranslatorConfig: ("kind", "linear_skip", "shared_slots", "shared_dim", "source_window"),
+    TranslatorConfig: ("kind", "linear_skip"),
 }
 
 

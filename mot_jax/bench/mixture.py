@@ -15,7 +15,7 @@ def bench_mixture(plan: Plan) -> Section:
     from flax import nnx
 
     from mot_jax.jit import jit
-    from mot_jax.translate.expert import TranslatorConfig
+    from mot_jax.translate.config import TranslatorConfig
     from mot_jax.translate.mixture import MixtureOfTranslators
 
     m = plan.mixture

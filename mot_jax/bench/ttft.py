@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from mot_jax.bench.common import EXPERIMENT, Plan, Section, Table, goal_note, load_experiment, log, ms, span
+from mot_jax.translate import kinds
 
 # Every untrained translator the part times: (EXPERIMENT config argument, translator overrides). TTFT does not
 # depend on the weights, so the untrained translators of these configs time what their trained ones would.
@@ -19,11 +20,9 @@ TRANSLATORS = (
     ("direct,skip", dict(kind="linear", native_bottom=0, inputs="source,embeddings")),
     *(("direct,skip", dict(kind="linear", native_bottom=b, inputs="source,embeddings,hidden")) for b in (4, 8, 12)),
     ("single", {}),  # single translator
-    ("projector", {}),  # C2C-Project
-    ("c2c", {}),  # C2C: its translation includes the target's own prefill of the context
-    ("lsc", {}),  # LSC at the reference's sizes
-    ("mot_h", {}),  # MoT-h: its translation includes the target's dense forward over the context
-    ("interlat", {}),  # Interlat: its translation includes the target's forward over the context's latents
+    # every other registered kind at its reference's settings (`Kind.recipe`; C2C's, MoT-h's and Interlat's
+    # translations include a target forward over the context); `linear` is the dial above
+    *((name, {}) for name in kinds.names() if name not in ("mot", "linear")),
 )
 
 

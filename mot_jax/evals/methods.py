@@ -38,7 +38,8 @@ from mot_jax.evals.prompts import (
 )
 from mot_jax.jit import jit
 from mot_jax.models.base import generate, prefill
-from mot_jax.translate import align as alignment_lib
+from mot_jax.translate import kinds
+from mot_jax.translate.donors import carry, regrid
 from mot_jax.translate.pipeline import SourceRead, read_source, translate_jit
 
 BASELINES = ("no_context", "native", "text_relay", "kvcomm")  # kvcomm: evals/kvcomm.py (one model family and depth)
@@ -242,36 +243,6 @@ class ShuffledSource(Method):
         return cache, self.method.handed(models, read.mask)
 
 
-def regrid(alignment, donor_mask, mask, source_mask) -> alignment_lib.Alignment:
-    """An alignment of source rows onto a donor's target grid (`donor_mask` [B, Td]) carried onto another target
-    grid (`mask` [B, T]) by position, as `ShuffledSource` describes: weights [B, T, S]."""
-    batch, length = np.shape(mask)
-    width = alignment.weights.shape[2]
-    weights = np.zeros((batch, length, width), np.float32)
-    to_source, to_target = np.zeros((batch, length), np.int32), np.zeros((batch, width), np.int32)
-    carried = carry(donor_mask, mask)
-    for b in range(batch):
-        mine, theirs = np.flatnonzero(mask[b]), np.flatnonzero(donor_mask[b])
-        n, m = len(mine), len(theirs)
-        pick = carried[b, mine]  # the donor token each of my tokens takes
-        weights[b, mine] = alignment.weights[b, pick]
-        to_source[b, mine] = alignment.target_to_source[b, pick]
-        rank = np.searchsorted(theirs, alignment.source_to_target[b])  # each source token's donor token, 0..m-1
-        first_taker = np.minimum(-(-rank * n // m), n - 1)
-        to_target[b] = np.where(np.asarray(source_mask[b], bool), mine[first_taker], 0)
-    return alignment_lib.Alignment(weights, to_source, to_target)
-
-
-def carry(donor_mask, mask) -> np.ndarray:
-    """[B, T] per slot of `mask`'s grid, the donor slot it takes by position: row b's i-th of n valid tokens takes
-    the donor's floor(i * m / n)-th of m valid tokens (the identity when n = m); 0 at padding."""
-    out = np.zeros(np.shape(mask), np.int32)
-    for b in range(len(out)):
-        mine, theirs = np.flatnonzero(mask[b]), np.flatnonzero(donor_mask[b])
-        out[b, mine] = theirs[np.arange(len(mine)) * len(theirs) // len(mine)]
-    return out
-
-
 class SwappedBand(Native):
     """The layer-band diagnostic (`--config.diagnose=bands`): native context whose K/V in target layers [lo, hi) are
     another example's (its shuffled-source donor's native K/V, carried onto this row's grid by position as `carry`
@@ -311,22 +282,9 @@ def bands(num_layers: int, count: int = 4) -> list[SwappedBand]:
 
 
 def method_name(config) -> str:
-    """How a trained method is named in reports, from its training config."""
+    """How a trained method is named in reports, from its training config (`Kind.label`)."""
     t = config.translator
-    if t.get("kind", "mot") == "projector":
-        name = f"C2C-Project ({t.mode})"
-    elif t.get("kind") == "c2c":  # its target reads the context itself: its TTFT (translation) holds that prefill
-        name = "C2C"
-    elif t.get("kind") == "lsc":  # always direct: every target layer from the shared latent
-        name = "LSC"
-    elif t.get("kind") == "mot_h":  # its target reads the context itself: its TTFT (translation) holds that forward
-        name = "MoT-h" if t.num_experts > 1 else "single translator (MoT-h)"
-    elif t.get("kind") == "interlat":  # its TTFT (translation) holds the target's forward over the latents
-        name = "Interlat"
-    elif t.get("kind") == "linear":
-        name = f"linear translator ({t.mode})"
-    else:
-        name = f"single translator ({t.mode})" if t.num_experts == 1 else f"MoT {t.mode}"
+    name = kinds.get(t.get("kind", "mot")).name_of(t)
     if "source" not in t.get("inputs", "source").split(","):
         name = f"source-free {name}"
     return f"{name}, B={t.native_bottom}" if t.get("native_bottom", 0) else name

@@ -21,6 +21,7 @@ from mot_jax.errors import MotJaxError
 from mot_jax.jit import jit
 from mot_jax.models.base import last_valid_index
 from mot_jax.translate import align as alignment_lib
+from mot_jax.translate.donors import donor_indices
 
 INSTRUCTIONS = {
     "extractive": "Read the passage and answer the question briefly. Use a short phrase from the passage when "
@@ -170,21 +171,6 @@ def prefix_budgets(models, prefixes, suffixes, settings: Settings) -> list[int]:
             )
         budgets.append(budget)
     return budgets
-
-
-def donor_indices(examples) -> list[int]:
-    """Per example, the next example (cyclically) whose context differs from its own: `ShuffledSource`'s donor."""
-    count = len(examples)
-    donors = []
-    for i, example in enumerate(examples):
-        others = [j % count for j in range(i + 1, i + count) if examples[j % count]["context"] != example["context"]]
-        if not others:
-            raise MotJaxError(
-                f"The shuffled-source control needs examples with at least two different contexts; these {count} "
-                "have one. Pass more examples (--config.examples) or turn it off (--config.shuffled_source=false)."
-            )
-        donors.append(others[0])
-    return donors
 
 
 def batches(models, examples, settings: Settings, questions=None, donors: bool = False):

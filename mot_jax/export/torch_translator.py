@@ -47,6 +47,11 @@ EPS = 1e-5  # the translator's LayerNorm epsilon
 MASK_VALUE = -1e30  # finite: a query with no visible key gets a uniform softmax instead of NaN, as in JAX
 
 
+# The kinds this file serves: every kind of mot_jax's registry that does not state why it has no export
+# (`Kind.no_export`; tests/test_kinds.py holds the two to each other).
+EXPORTED_KINDS = ("mot", "projector", "linear", "c2c", "lsc", "mot_h", "interlat")
+
+
 @dataclasses.dataclass(frozen=True)
 class TorchTranslatorConfig:
     """The exported config.json: TranslatorConfig and TranslationSpec fields and the two models' cache shapes.
@@ -102,7 +107,6 @@ class TorchTranslatorConfig:
             object.__setattr__(self, name, tuple(int(i) for i in getattr(self, name)))
         object.__setattr__(self, "inputs", tuple(self.inputs))
         mot = self.kind == "mot"  # a projector or fuser reads none of the mixture's routing fields
-        kinds = ("mot", "projector", "linear", "c2c", "lsc", "mot_h", "interlat")
         outputs = {"mot_h": ("residual",), "interlat": ("embeddings",)}.get(self.kind, ("kv", "hidden"))
         interlat = self.kind == "interlat"  # reads the source's last layer; its widths are the models' embedding
         # widths (OPT's may differ from its hidden size)
@@ -114,7 +118,7 @@ class TorchTranslatorConfig:
         target_write = self.target_hidden_size if self.outputs in ("hidden", "residual") else target_kv_width
         features = sum(i in ("embeddings", "hidden") for i in self.inputs) * self.target_hidden_size
         checks = [
-            (self.kind in kinds, f"kind={self.kind!r} must be one of {', '.join(kinds)}"),
+            (self.kind in EXPORTED_KINDS, f"kind={self.kind!r} must be one of {', '.join(EXPORTED_KINDS)}"),
             (self.kind != "linear" or self.linear_skip, "kind='linear' needs linear_skip=true"),
             (
                 bool(self.inputs) and set(self.inputs) <= {"source", "embeddings", "hidden"},
@@ -366,7 +370,7 @@ class Mixture(nn.Module):
 
 
 class Projector(nn.Module):
-    """The C2C-Project baseline (JAX: `mot_jax.translate.projector`): per window layer, on every token,
+    """The C2C-Project baseline (JAX: `mot_jax.translate.kinds.projector`): per window layer, on every token,
     LayerNorm -> Linear(ds -> max(dim, dt)) -> GELU -> Linear(-> dt); parameters [W, ...]."""
 
     def __init__(self, cfg: TorchTranslatorConfig):
@@ -385,8 +389,8 @@ class Projector(nn.Module):
 
 
 class Fuser(nn.Module):
-    """C2C's K or V fuser (JAX: `mot_jax.translate.c2c.ResidualCacheFuser`, the formulas in its docstring) with its
-    evaluation gate: receiver + 1[sigmoid(logit) >= 0.5] * residual per window layer."""
+    """C2C's K or V fuser (JAX: `mot_jax.translate.kinds.c2c.ResidualCacheFuser`, the formulas in its docstring) with
+    its evaluation gate: receiver + 1[sigmoid(logit) >= 0.5] * residual per window layer."""
 
     def __init__(self, cfg: TorchTranslatorConfig):
         super().__init__()
@@ -456,7 +460,7 @@ def one_stage_chain(blocks, context, visible):
 
 class LocalToShared(nn.Module):
     """LSC: a model's K (or V) at all its `layers` layers [B, T, layers, width] to the latent [B, T, slots * dim]
-    (JAX: `mot_jax.translate.lsc.LocalToShared`)."""
+    (JAX: `mot_jax.translate.kinds.lsc.LocalToShared`)."""
 
     def __init__(self, cfg: TorchTranslatorConfig, layers: int, width: int):
         super().__init__()
@@ -476,7 +480,7 @@ class LocalToShared(nn.Module):
 
 class SharedToLocal(nn.Module):
     """LSC: the latent [B, T, slots * dim] to a model's K (or V) at all its `layers` layers [B, T, layers, width]
-    (JAX: `mot_jax.translate.lsc.SharedToLocal`)."""
+    (JAX: `mot_jax.translate.kinds.lsc.SharedToLocal`)."""
 
     def __init__(self, cfg: TorchTranslatorConfig, layers: int, width: int):
         super().__init__()
@@ -496,8 +500,8 @@ class SharedToLocal(nn.Module):
 
 
 class LatentTranslator(nn.Module):
-    """LSC's K or V translator (JAX: `mot_jax.translate.lsc.LatentTranslator`): every source layer through the shared
-    latent into every window (target) layer."""
+    """LSC's K or V translator (JAX: `mot_jax.translate.kinds.lsc.LatentTranslator`): every source layer through the
+    shared latent into every window (target) layer."""
 
     def __init__(self, cfg: TorchTranslatorConfig):
         super().__init__()
@@ -516,8 +520,9 @@ class LatentTranslator(nn.Module):
 
 
 class Adapter(nn.Module):
-    """Interlat's adapter (JAX: `mot_jax.translate.interlat.Adapter`, the formulas in its module docstring), in eval
-    mode: the source's last hidden states [B, T, Es] on the target grid -> the target's input embeddings [B, T, Et]."""
+    """Interlat's adapter (JAX: `mot_jax.translate.kinds.interlat.Adapter`, the formulas in its module docstring), in
+    eval mode: the source's last hidden states [B, T, Es] on the target grid -> the target's input embeddings
+    [B, T, Et]."""
 
     def __init__(self, cfg: TorchTranslatorConfig):
         super().__init__()

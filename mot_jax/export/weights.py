@@ -1,8 +1,9 @@
 """A KVTranslator's weights and config as plain numpy / JSON, for `mot_jax.export.torch_translator`.
 
 `export(translator, source, target, folder)` writes `folder/config.json` and `folder/model.safetensors`; the torch
-side loads them with `KVTranslator.from_pretrained(folder)` and imports no JAX. Every kind exports (MoT-h and Interlat
-included), with the dial's switches (`translator_config` says what it refuses).
+side loads them with `KVTranslator.from_pretrained(folder)` and imports no JAX. Every registered kind exports but one
+that states why not (`Kind.no_export`; today none), with the dial's switches (`translator_config` says what it
+refuses).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from flax import nnx
 from mot_jax.errors import MotJaxError
 from mot_jax.models import decoder
 from mot_jax.models.base import ModelConfig
+from mot_jax.translate import kinds
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 FORMAT = "mot_jax.kv_translator"
@@ -51,9 +53,16 @@ def translator_tensors(translator, source=None, target=None) -> dict[str, np.nda
 
 def translator_config(translator, source, target) -> dict:
     """JSON-serialisable: the TranslatorConfig and TranslationSpec fields and the two models' cache shapes. Refuses,
-    in one line, what the PyTorch side cannot serve: a translator with nothing to translate (native_bottom = the
-    target's layers), and layer-input outputs (outputs='hidden') for a target other than a rotary decoder."""
+    in one line, what the PyTorch side cannot serve: a kind that says it has no export (`Kind.no_export`), a
+    translator with nothing to translate (native_bottom = the target's layers), and layer-input outputs
+    (outputs='hidden') for a target other than a rotary decoder."""
     spec = translator.spec
+    why = kinds.get(translator.cfg.kind).no_export
+    if why:
+        raise MotJaxError(
+            f"kind={translator.cfg.kind!r} has no PyTorch export ({why}); evaluate it in JAX (python -m "
+            "mot_jax.evaluate)."
+        )
     if not spec.target_layers:
         raise MotJaxError(
             f"native_bottom={spec.native_bottom} is every target layer: nothing is translated, so there is nothing "

@@ -11,6 +11,7 @@ import math
 import ml_collections
 
 from mot_jax.errors import MotJaxError
+from mot_jax.translate import kinds
 
 
 def base() -> ml_collections.ConfigDict:
@@ -44,18 +45,9 @@ def base() -> ml_collections.ConfigDict:
     c.translator.channels.target_layers = ()
     c.translator.channels.search_steps = 128  # proxy training steps per candidate window (N=1 translator)
     c.translator.channels.search_eval_batches = 4
-    # mot (the mixture of translators) | projector (the C2C-Project baseline: per window layer, LN -> Linear ->
-    # GELU -> Linear on every token, hidden width max(dim, target width); reads only dim and output_activation,
-    # and the reference's c2c-pr has output_activation="none"; mode="direct" projects every target layer) | linear
-    # (ours: the least-squares-started linear skip alone, no mixture; needs linear_skip=True) | c2c (the C2C fuser:
-    # the target's own prefill plus gated residuals from the source's K/V over the top min(Ls, Lt) layers; needs
-    # mode="direct", and the reference trains it with loss.correction_weight=0) | lsc (the LSC baseline: every source
-    # layer's K/V through a shared latent of shared_slots x shared_dim per token into every target layer's; the same
-    # needs and loss) | mot_h (MoT-h: the mixture translates the source's window layers' input residual streams into
-    # the target's, which replace its own in a dense forward over the context; needs sparse_attention=False) |
-    # interlat (Interlat: the source's last hidden states through an adapter of `heads` heads (the reference's 8) are
-    # the target's input embeddings, its forward over them its cache; needs mode="direct", and the reference adds its
-    # plan-similarity and random-contrast terms, always on, with loss.correction_weight=0)
+    # a registered kind (`mot_jax/translate/kinds/`, the table in docs/translators.md): mot (the paper's mixture),
+    # linear (ours: the least-squares-started linear skip alone), and the baselines projector, c2c, lsc, mot_h and
+    # interlat; each kind's own fields follow below, and `kinds.apply_recipe` sets its reference's training settings
     c.translator.kind = "mot"
     c.translator.dim = 1024
     c.translator.heads = 16
@@ -69,8 +61,6 @@ def base() -> ml_collections.ConfigDict:
     c.translator.top_k = 1
     c.translator.dispatch = "sparse"  # sparse (real top-k dispatch) | dense (the reference)
     c.translator.capacity_factor = 1.25
-    c.translator.shared_slots = 32  # lsc: the latent per token (reference: 32 slots x 128)
-    c.translator.shared_dim = 128
     # ours: beside each mixture a linear map per window layer from the aligned source K (or V) to the target's, added
     # to the mixture's output and set by least squares on the first skip_fit_batches training batches before step 1
     c.translator.linear_skip = False
@@ -87,6 +77,7 @@ def base() -> ml_collections.ConfigDict:
     c.translator.sparse_attention = True  # replay: top-k attention from the source's attention (paper)
     c.translator.k_attn = 32
     c.translator.dense_bottom = 2
+    c.translator.update(kinds.fields())  # each kind's own fields (`Kind.fields`), at their defaults
 
     c.loss = ml_collections.ConfigDict()
     c.loss.ce_weight = 1.0  # the prompt CE; 0 with no distill: a KV-space objective, no forward over the prompt
@@ -181,8 +172,6 @@ COUNTS = {
     "translator.heads": 1,
     "translator.num_experts": 1,
     "translator.top_k": 1,
-    "translator.shared_slots": 1,
-    "translator.shared_dim": 1,
 }
 # each loss term's weight: a negative one would train the translator to maximise that term
 WEIGHTS = [f"loss.{k}" for k in base().loss]
@@ -196,7 +185,8 @@ def lookup(c: ml_collections.ConfigDict, key: str):
 
 def check(c: ml_collections.ConfigDict):
     """Refuse counts and weights that cannot run (before anything is loaded or written)."""
-    for key, least in COUNTS.items():
+    kinds.get(c.translator.kind)  # an unknown kind: refused here, in one line
+    for key, least in (COUNTS | {f"translator.{k}": least for k, least in kinds.counts().items()}).items():
         value = lookup(c, key)
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise MotJaxError(

@@ -24,7 +24,6 @@ import numpy as np
 
 from mot_jax.errors import MotJaxError
 from mot_jax.training.chunk_table import DEFAULT_PREFIX_TOKENS
-from mot_jax.training.chunk_table import TextChunks as TextChunks  # re-exported: data.TextChunks, as before
 from mot_jax.translate.align import Alignment, adapter, align_batch, register_pytree
 
 register_pytree()  # batches (with their alignment) are stacked and placed as pytrees

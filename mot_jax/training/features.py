@@ -39,17 +39,18 @@ from mot_jax.jit import jit
 from mot_jax.paths import cache_lock, cache_root
 from mot_jax.progress import Progress
 from mot_jax.training import data, objective
-from mot_jax.translate.translator import target_side
+from mot_jax.translate import kinds
+from mot_jax.translate.window import target_side
 
 FEATURE_FORMAT = 1  # bump when what is stored changes: old entries are then ignored
 
 
 def frozen_inputs(source, target, batch, spec, kind: str, reads: bool):
-    """(frozen, side): `objective.frozen_forwards` of the batch and its `TargetSide` (None for kind='c2c', which
-    fuses into the native cache), as the live step computes them."""
+    """(frozen, side): `objective.frozen_forwards` of the batch and its `TargetSide` (None for a kind that reads the
+    target's own prefill, `Kind.receiver`: C2C fuses into the native cache), as the live step computes them."""
     frozen = objective.frozen_forwards(source, target, batch, spec.attention_topk, reads)
     capacity = batch.context.shape[1] + batch.prompt.shape[1]
-    side = None if kind == "c2c" else target_side(spec, target, batch.context, batch.context_mask, capacity)
+    side = None if kinds.get(kind).receiver else target_side(spec, target, batch.context, batch.context_mask, capacity)
     return frozen, side
 
 
@@ -213,7 +214,7 @@ def table_key(config, pair, spec, kind: str, reads: bool, split: str, digest: st
         target_model=dataclasses.asdict(pair.target.config),
         dtype=config.dtype,
         spec=spec.to_dict(),
-        c2c=kind == "c2c",
+        c2c=kinds.get(kind).receiver,  # the name older tables were stored under
         reads=reads,
         split=split,
         data=digest,
@@ -225,7 +226,8 @@ def make_layout(pair, spec, kind: str, reads: bool, batch) -> Layout:
     source_layers = tuple(sorted(set(spec.source_layers))) if spec.reads_source else ()
     num_target = pair.target.config.num_layers
     first = spec.native_bottom if spec.mode == "direct" else min(spec.target_layers)  # the layers the losses read
-    target_layers = tuple(range(0 if kind == "c2c" else first, num_target))  # C2C fuses into every layer
+    # a kind that reads the target's own prefill (C2C fuses into it) needs every layer of it
+    target_layers = tuple(range(0 if kinds.get(kind).receiver else first, num_target))
     layout = Layout(None, (), source_layers, pair.source.config.num_layers, target_layers, num_target)
 
     def shapes(rows):

@@ -37,8 +37,8 @@ the translator writes (those of the MSEs):
   1 - cosine: the output projection and the residual stream read the norm too, and values off by a factor keep the
   cosine at 1.
 
-kind='interlat' adds the reference's plan-similarity and random-contrast terms over the prompt's next-token
-distributions (`translate/interlat.py`), with the weights it sets each step from their values.
+A kind may add a loss of its own (`Kind.extra_loss`: Interlat's plan-similarity and random-contrast terms over the
+prompt's next-token distributions, `translate/kinds/interlat.py`).
 
 Also reported, not in the loss: `unexplained_k` / `unexplained_v`, each layer's MSE over that layer's native variance in
 the batch (1 - R^2), averaged over layers: a fidelity that does not depend on the models' activation scales, above 1
@@ -57,7 +57,7 @@ from mot_jax.errors import MotJaxError
 from mot_jax.models.base import LayerCache
 from mot_jax.models.cache import KVCache
 from mot_jax.models.layers import GLOBAL_WINDOW, attention
-from mot_jax.translate import interlat
+from mot_jax.translate import kinds
 from mot_jax.translate.translator import source_read, translate
 
 
@@ -146,8 +146,8 @@ def attention_error(reads: NativeReads, k, v, softcap=None):
 
 
 def frozen_forwards(source, target, batch, topk: int, reads=False, layer_inputs=False, last_hidden=False):
-    """The source's cache (and attention top-k for sparse replay; `layer_inputs`, kind='mot_h': its layer inputs in
-    the cache layout, `source_read`; `last_hidden`, kind='interlat': its last hidden states) and the target's native
+    """The source's cache (and attention top-k for sparse replay; `layer_inputs`, MoT-h's: its layer inputs in the
+    cache layout, `source_read`; `last_hidden`, Interlat's: its last hidden states) and the target's native
     cache of the context; with `reads=True` a fourth value, the target's `NativeReads` of the prompt after that cache
     (the attention term's)."""
     args = (batch.source_ids, batch.source_mask, topk, layer_inputs, last_hidden)
@@ -206,7 +206,7 @@ def context_correction(
     spec = translator.spec
     context_length, prompt_length = batch.context.shape[1], batch.prompt.shape[1]
     capacity = context_length + prompt_length
-    keys = (None, None) if noise is None or not spec.last_hidden else jax.random.split(noise)  # interlat's dropout
+    kind = kinds.get(translator.cfg.kind)
 
     def translated(source_cache, alignment, noise):
         return translate(
@@ -219,12 +219,12 @@ def context_correction(
             batch.context_mask,
             source_topk,
             capacity=capacity,
-            receiver=native,  # kind='c2c' fuses into it; `noise`: its training gate (None: the hard gate)
+            receiver=native,  # C2C fuses into it; `noise`: the kind's training noise (None in validation)
             noise=noise,
             side=side,
         )
 
-    cache, aux = translated(source_cache, batch.alignment, keys[0] if spec.last_hidden else noise)
+    cache, aux = translated(source_cache, batch.alignment, noise)
     first = spec.native_bottom if spec.mode == "direct" else min(spec.target_layers)  # the layers it writes
     context = lambda kv: kv[first:, :, :, :context_length]
     errors = {}
@@ -232,7 +232,7 @@ def context_correction(
         mse = layer_mse(context(got), want[first:], batch.context_mask)
         unexplained = mse / jnp.maximum(layer_variance(want[first:], batch.context_mask), 1e-12)
         errors |= {f"mse_{name}": mse.mean(), f"unexplained_{name}": unexplained.mean()}
-    gates = aux.pop("gate", None)  # kind='c2c': the K and V gates of this forward [2, W]
+    gates = aux.pop("gate", None)  # C2C: the K and V gates of this forward [2, W]
     routed = [a for a in aux.values() if a]  # the K and V mixtures' aux outputs (empty with one expert)
     load_balance = sum((a["load_balance_loss"] for a in routed), jnp.zeros(()))
     z_loss = sum((a["z_loss"] for a in routed), jnp.zeros(()))
@@ -241,20 +241,18 @@ def context_correction(
     metrics = dict(**errors, load_balance=load_balance, z_loss=z_loss)
     if gates is not None:
         metrics["gate"] = gates.mean()
-    if weights.reads_prompt or prompt or spec.last_hidden:  # else a KV-space objective: no forward over the prompt
+    if weights.reads_prompt or prompt or kind.extra_loss:  # else a KV-space objective: no forward over the prompt
         logits, _ = target(batch.prompt, cache=cache)
         metrics["ce"] = token_cross_entropy(logits, batch.labels, batch.label_mask)
         loss = loss + weights.ce * metrics["ce"]
-    if weights.distill or spec.last_hidden:  # one more target forward over the prompt, after the native cache
+    if weights.distill or kind.extra_loss:  # one more target forward over the prompt, after the native cache
         teacher, _ = target(batch.prompt, cache=native.with_capacity(capacity))
         teacher = jax.lax.stop_gradient(teacher)  # no gradient reaches it
     if weights.distill:
         metrics["kl"] = distillation_kl(logits, teacher, batch.label_mask)
         loss = loss + weights.distill * metrics["kl"]
-    if spec.last_hidden:  # kind='interlat': the reference's plan-similarity and random-contrast terms
-        other, _ = translated(*interlat.mismatched(source_cache, batch.alignment), keys[1])
-        random_logits, _ = target(batch.prompt, cache=jax.lax.stop_gradient(other))
-        extra, terms = interlat.auxiliary_loss(logits, teacher, random_logits, batch.label_mask)
+    if kind.extra_loss:
+        extra, terms = kind.extra_loss(translated, target, batch, source_cache, noise, logits, teacher)
         loss, metrics = loss + extra, metrics | terms
     if weights.attention:
         if not reads:

@@ -14,11 +14,14 @@ from etils import epath
 from mot_jax import sharding
 from mot_jax.errors import MotJaxError
 from mot_jax.models.loading import load_model, load_tokenizer
-from mot_jax.training import corpus, data
-from mot_jax.translate.expert import TranslatorConfig
-from mot_jax.translate.translator import TranslationSpec, mixture_config
+from mot_jax.training import chunk_table, corpus, data
+from mot_jax.translate import kinds, window
+from mot_jax.translate.config import TranslatorConfig
+from mot_jax.translate.spec import TranslationSpec
+from mot_jax.translate.translator import mixture_config
 
-TRANSLATOR_KEYS = [f.name for f in dataclasses.fields(TranslatorConfig)]
+# the translator config keys every kind reads (a kind's own: `Kind.fields`)
+TRANSLATOR_KEYS = [f.name for f in dataclasses.fields(TranslatorConfig) if f.name != "options"]
 
 
 @dataclasses.dataclass
@@ -52,7 +55,7 @@ def make_datasets(config, pair: Pair, rows: slice = slice(None)) -> Datasets:
     lengths = dict(source_length=d.source_length, prefix_tokens=d.prefix_tokens)
 
     def chunks(split):
-        return data.TextChunks(
+        return chunk_table.TextChunks(
             documents[split],
             pair.target_tokenizer,
             eos_id=eos[0],
@@ -102,11 +105,7 @@ def translation(config, channel_map, pair: Pair, **overrides) -> tuple[Translati
     """The config's translator for this pair and channel map; `overrides` replace TranslatorConfig fields."""
     t = config.translator
     num_target_layers = pair.target.config.num_layers
-    if t.native_bottom >= num_target_layers:
-        raise MotJaxError(
-            f"native_bottom={t.native_bottom} leaves none of the target's {num_target_layers} layers to translate "
-            "(that is native context); pass a smaller --config.translator.native_bottom."
-        )
+    window.check_native_bottom(t.native_bottom, num_target_layers, t.mode, translates=True)
     spec = TranslationSpec.build(
         t.mode,
         channel_map,
@@ -115,16 +114,14 @@ def translation(config, channel_map, pair: Pair, **overrides) -> tuple[Translati
         native_bottom=t.native_bottom,
         inputs=tuple(i.strip() for i in t.inputs.split(",") if i.strip()),
         outputs=t.outputs,
-        fuse=t.kind == "c2c",
-        every_source_layer=t.kind == "lsc",
-        residual=t.kind == "mot_h",
-        latents=t.kind == "interlat",
+        kind=overrides.get("kind", t.kind),
         sparse_attention=t.sparse_attention,
         k_attn=t.k_attn,
         dense_bottom=t.dense_bottom,
         rotary=t.rotary,
     )
-    kwargs = {k: t[k] for k in TRANSLATOR_KEYS if k in t} | overrides
+    keys = [*TRANSLATOR_KEYS, *kinds.get(overrides.get("kind", t.kind)).fields]
+    kwargs = {k: t[k] for k in keys if k in t} | overrides
     return spec, mixture_config(spec, pair.source, pair.target, **kwargs)
 
 

@@ -19,8 +19,9 @@ from mot_jax.models.base import ModelConfig
 from mot_jax.paths import as_path
 from mot_jax.training.checkpoint import Checkpoints
 from mot_jax.training.optim import adamw
-from mot_jax.translate.expert import TranslatorConfig
-from mot_jax.translate.translator import KVTranslator, TranslationSpec
+from mot_jax.translate.config import TranslatorConfig
+from mot_jax.translate.spec import TranslationSpec
+from mot_jax.translate.translator import KVTranslator
 
 
 @dataclasses.dataclass

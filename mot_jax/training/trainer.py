@@ -22,14 +22,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from mot_jax import sharding
 from mot_jax.errors import MotJaxError
-from mot_jax.evals.methods import regrid
-from mot_jax.evals.prompts import donor_indices
 from mot_jax.models.registry import resolve_dtype
 from mot_jax.progress import metered
 from mot_jax.training import data, objective
 from mot_jax.training.optim import adamw
 from mot_jax.training.setup import Pair
-from mot_jax.translate import c2c
+from mot_jax.translate import kinds
+from mot_jax.translate.donors import donor_indices, regrid
 from mot_jax.translate.linear_skip import linear_skip_sums, solve_linear_skip
 from mot_jax.translate.translator import KVTranslator
 
@@ -50,9 +49,7 @@ class Trainer:
         rng = jax.random.key_data(jax.random.key(config.seed))
         self.state = dict(params=params, opt_state=jax.jit(self.tx.init)(params), rng=rng)
         self.topk, self.reads_source = spec.attention_topk, spec.reads_source
-        self.kind, self.total_steps = tcfg.kind, total_steps
-        self.layer_inputs = spec.layer_inputs  # kind='mot_h': the source hands over its layer inputs, not K/V
-        self.last_hidden = spec.last_hidden  # kind='interlat': its last hidden states
+        self.kind, self.total_steps = kinds.get(tcfg.kind), total_steps
         self.compute_dtype = resolve_dtype(config.dtype)
         self.weights = objective.LossWeights.from_config(config.loss)
         replicated = NamedSharding(mesh, PartitionSpec())
@@ -77,8 +74,8 @@ class Trainer:
         if batch.features is not None:  # the feature cache: the frozen forwards' outputs, read from disk
             frozen, side = batch.features.unpack()
         else:
-            hands = (self.layer_inputs, self.last_hidden)
-            frozen = objective.frozen_forwards(source, target, batch, self.topk, reads, *hands)
+            hands = self.kind.source_read  # what the source hands over: K/V, layer inputs or last hidden states
+            frozen = objective.frozen_forwards(source, target, batch, self.topk, reads, **hands)
 
         def loss_fn(p):
             translator, _, _ = self._models(p, llm_states)
@@ -87,17 +84,14 @@ class Trainer:
 
         return loss_fn
 
-    def _gate_noise(self, state, micro_batches: int):
-        """kind='c2c': each micro-batch's training gate (the temperature at this update, its own noise);
-        kind='interlat': each micro-batch's dropout key; else None."""
-        if self.kind not in ("c2c", "interlat"):
+    def _noise(self, state, micro_batches: int):
+        """Each micro-batch's training noise of the kind (`Kind.noise`: C2C's gate, Interlat's dropout), drawn
+        from the run's key and the updates done; None for a kind without."""
+        if self.kind.noise is None:
             return None
         step = optax.tree_utils.tree_get_all_with_path(state["opt_state"], "count")[0][1]  # the updates done
         key = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), step)
-        if self.kind == "interlat":
-            return jax.random.split(key, micro_batches)
-        temperature = jnp.full(micro_batches, c2c.gate_temperature(step, self.total_steps))
-        return c2c.GateNoise(temperature, jax.random.split(key, micro_batches))
+        return self.kind.noise(key, step, self.total_steps, micro_batches)
 
     def _train_step(self, state, llm_states, batches):
         def micro(grads, xs):
@@ -108,7 +102,7 @@ class Trainer:
             return jax.tree.map(jnp.add, grads, g), metrics
 
         zeros = jax.tree.map(jnp.zeros_like, state["params"])
-        noises = self._gate_noise(state, batches.context.shape[0])
+        noises = self._noise(state, batches.context.shape[0])
         grads, metrics = jax.lax.scan(micro, zeros, (batches, noises))
         grads = jax.tree.map(lambda g: g / batches.context.shape[0], grads)
         metrics = jax.tree.map(jnp.mean, metrics) | dict(grad_norm=optax.global_norm(grads))

@@ -11,7 +11,7 @@ the sparse path. The two paths therefore give the same numbers for a routed toke
 
 from __future__ import annotations
 
-import dataclasses
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -19,62 +19,10 @@ from flax import nnx
 
 from mot_jax.models.layers import MASK_VALUE, LayerNorm, Linear, einsum
 
+if TYPE_CHECKING:  # the config asks the kinds registry, whose kinds import this module
+    from mot_jax.translate.config import TranslatorConfig
+
 EPS = 1e-5
-
-
-@dataclasses.dataclass(frozen=True)
-class TranslatorConfig:
-    """Shape and switches of one K or V mixture. Paper defaults: dim 1024, 16 heads, depth 2, mlp_ratio 4, N=2, k=1.
-
-    A projector (`kind="projector"`) reads only the widths, window, `dim` and `output_activation`.
-    """
-
-    source_width: int  # input width per window layer: source kv_heads * head_dim, plus any target-side features
-    target_width: int  # target kv_heads * head_dim (kind='mot_h': both widths are the models' hidden sizes)
-    window: int  # W: window layers translated together
-    kind: str = "mot"  # "mot" (the mixture) | "projector" (C2C-Project) | "linear" (linear skip alone) | "c2c" (C2C)
-    # | "lsc" (LSC: `lsc.py`) | "mot_h" (MoT-h: the mixture over residual streams, `mot_h.py`) | "interlat" (Interlat's
-    # adapter: `interlat.py`; reads the widths and `heads`)
-    dim: int = 1024  # projector: the hidden width is max(dim, target_width)
-    heads: int = 16
-    depth: int = 2  # R stages of W un-shared cross-attention blocks
-    mlp_ratio: int = 4
-    output_activation: str = "gelu"  # "gelu" (paper) | "none"
-    fused_output: bool = True  # one projection of all W states to all W layers (paper, W^2 cost) or one per layer
-    causal: bool = False  # translator attention over the context: bidirectional (paper) or causal
-    num_experts: int = 2
-    top_k: int = 1
-    dispatch: str = "sparse"  # "sparse" (only routed tokens' queries) | "dense" (every expert on every token)
-    capacity_factor: float = 1.25  # sparse: the first slot count per expert and row, ceil(factor * k * T / N)
-    linear_skip: bool = False  # ours: a linear map per window layer beside the translator, fitted by least squares
-    shared_slots: int = 32  # lsc: the latent per token, shared_slots x shared_dim (reference: 32 x 128)
-    shared_dim: int = 128
-    source_window: int = 0  # lsc: the source layers it reads (every one: mixture_config); 0 for the others (window)
-
-    @property
-    def router_hidden(self):
-        return max(64, min(self.dim, self.window * self.source_width))
-
-    def to_dict(self) -> dict:
-        """Every field, JSON-ready: what a checkpoint's identity and an export's config.json hold."""
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, saved: dict) -> TranslatorConfig:
-        """Back from `to_dict()`, also as saved before later fields existed (`with_added_fields`)."""
-        return cls(**cls.with_added_fields(saved))
-
-    @staticmethod
-    def with_added_fields(saved: dict) -> dict:
-        """A saved dict plus the fields added after runs were saved, at the value those runs had, so that they
-        still resume and load (fixed here: a later change of a default must not change an old run)."""
-        return dict(kind="mot", linear_skip=False, shared_slots=32, shared_dim=128, source_window=0) | saved
-
-    def capacities(self, length):
-        """Sparse dispatch's query slot counts per expert and row below `length`, smallest first: the factor's
-        ceil(factor * k * T / N), then twice that (a step whose busiest queue fits neither runs the dense path)."""
-        first = -(-int(self.capacity_factor * self.top_k * length) // self.num_experts)
-        return tuple(c for c in dict.fromkeys((first, 2 * first)) if 0 < c < length)
 
 
 def gelu(x):

@@ -12,14 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from mot_jax.models.base import CausalLM, first_valid_index, positions_from_mask
-from mot_jax.translate.translator import (
-    KVTranslator,
-    rms_normalized,
-    rotary_tables,
-    run_native_bottom,
-    window_block,
-    window_inputs,
-)
+from mot_jax.translate.translator import KVTranslator
+from mot_jax.translate.window import rms_normalized, rotary_tables, run_native_bottom, window_block, window_inputs
 
 
 def linear_skip_sums(

@@ -17,7 +17,8 @@ from mot_jax.jit import jit
 from mot_jax.models.base import CausalLM
 from mot_jax.models.cache import KVCache
 from mot_jax.translate import align as alignment_lib
-from mot_jax.translate.translator import KVTranslator, TranslationSpec, source_read, translate
+from mot_jax.translate.spec import TranslationSpec
+from mot_jax.translate.translator import KVTranslator, source_read, translate
 
 
 @jit(static_argnames=("topk", "layer_inputs", "last_hidden"))

@@ -24,7 +24,15 @@ alignment, the shuffled-source control and the window pick take it as they take 
 
 from __future__ import annotations
 
+import jax.numpy as jnp
+import numpy as np
+
 from mot_jax.errors import MotJaxError
+from mot_jax.models.base import Injection, first_valid_index
+from mot_jax.translate import align as alignment_lib
+from mot_jax.translate.kinds import Kind, register
+from mot_jax.translate.mixture import MixtureOfTranslators
+from mot_jax.translate.window import window_block
 
 
 def check_spec(spec, cfg):
@@ -37,10 +45,44 @@ def check_spec(spec, cfg):
         (spec.rotary, "translates residual streams, which hold no rotated keys; set rotary=False"),
         (
             spec.outputs != "residual",
-            "writes residual streams; build its spec with TranslationSpec.build(residual=True)",
+            "writes residual streams; build its spec with kind='mot_h'",
         ),
         (cfg.linear_skip, "has no linear skip; set linear_skip=False"),
     )
     for refused, why in refusals:
         if refused:
             raise MotJaxError(f"kind='mot_h' {why}.")
+
+
+def replace_inputs(translator, source, target, source_cache, alignment, target_ids, mask, capacity, receiver, noise):
+    """The target's dense forward over its context (a cache of `capacity` slots) with each window layer's
+    input residual stream replaced by the translation of the source's (`source_read(layer_inputs=True)`), but at each
+    row's first token, which keeps the target's own; (its cache, {"hidden": the mixture's aux outputs})."""
+    spec = translator.spec
+    batch, length = target_ids.shape
+    streams = alignment_lib.resample(window_block(source_cache.k, spec.source_layers), alignment.weights)
+    hidden, aux = translator.hidden(streams, mask)  # [B, T, W, Dt]
+    first = first_valid_index(mask)
+    *_, own = target.run_layers(target_ids[jnp.arange(batch), first][:, None], layer_inputs=True)  # [Lt, B, 1, Dt]
+    is_first = (jnp.arange(length) == first[:, None])[None, :, :, None]  # [1, B, T, 1]
+    hidden = jnp.where(is_first, own[jnp.asarray(spec.target_layers)], hidden.transpose(2, 0, 1, 3))
+    slot = np.full(target.config.num_layers, -1, np.int32)
+    slot[list(spec.target_layers)] = np.arange(len(spec.target_layers))
+    injection = Injection(k=None, v=None, slot=jnp.asarray(slot), hidden=hidden)
+    cache = target.init_cache(batch, capacity)
+    _, cache, _ = target.run_layers(target_ids, mask, cache=cache, injection=injection, fresh=True)
+    return cache, {"hidden": aux}
+
+
+register(
+    Kind(
+        name="mot_h",
+        # its target reads the context itself: its TTFT (translation) holds that forward
+        label=lambda t: "MoT-h" if t.num_experts > 1 else "single translator (MoT-h)",
+        build=lambda spec, cfg, rngs, dtype: {"hidden": MixtureOfTranslators(cfg, rngs=rngs, dtype=dtype)},
+        translate=replace_inputs,
+        check=check_spec,
+        outputs="residual",
+        recipe={"translator.mode": "replay", "translator.sparse_attention": False},  # the reference's dense forward
+    )
+)

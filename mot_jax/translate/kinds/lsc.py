@@ -21,7 +21,7 @@ K and for V), shared by every pair it takes part in; here one pair trains, so on
 shared and the target's shared -> local (`to_shared`, `from_shared`: separate submodules, so that a run over more
 models could share them). K and V have their own module (`KVTranslator.key` / `.value`), as the reference's four.
 
-Its translation spec reads every source layer (`TranslationSpec.build(every_source_layer=True)`) and writes every
+Its translation spec (`kind='lsc'`: `every_layer`) reads every source layer and writes every
 target layer, in `mode="direct"`; the loss is the suffix CE alone (`loss.correction_weight=0`, as
 `configs/smollm2_gemma3.py:lsc`). Differences, each small: the source reads the target's text and is aligned onto the
 target's tokens as for every translator here (the reference feeds one token sequence to both models); padding tokens
@@ -33,13 +33,18 @@ translators (`translator.py`).
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import jax.numpy as jnp
 from flax import nnx
 
 from mot_jax.errors import MotJaxError
 from mot_jax.models.layers import LayerNorm, Linear
-from mot_jax.translate.expert import EPS, CrossAttentionBlocks, TranslatorConfig, chain, gelu, output_head, torch_std
+from mot_jax.translate.expert import EPS, CrossAttentionBlocks, chain, gelu, output_head, torch_std
+from mot_jax.translate.kinds import Kind, register
+
+if TYPE_CHECKING:  # the config asks the kinds registry, which imports this module
+    from mot_jax.translate.config import TranslatorConfig
 
 
 class LocalToShared(nnx.Module):
@@ -84,16 +89,15 @@ class SharedToLocal(nnx.Module):
 
 class LatentTranslator(nnx.Module):
     """The K or the V translator of one pair: the source's local -> shared, then the target's shared -> local (module
-    docstring). Reads the widths, `window` (L_t), `source_window` (L_s), `dim`, `heads`, `mlp_ratio`,
-    `shared_slots`, `shared_dim`, `output_activation` and `causal` of its config."""
+    docstring). Reads the widths, `window` (L_t), `dim`, `heads`, `mlp_ratio`, `shared_slots`, `shared_dim`,
+    `output_activation` and `causal` of its config; `source_layers` is L_s (every source layer)."""
 
-    def __init__(self, cfg: TranslatorConfig, *, rngs, dtype=jnp.float32):
+    def __init__(self, cfg: TranslatorConfig, source_layers: int, *, rngs, dtype=jnp.float32):
         if cfg.output_activation not in ("gelu", "none"):
             raise MotJaxError(f"output_activation={cfg.output_activation!r} is not 'gelu' or 'none'.")
         if cfg.dim % cfg.heads:
             raise MotJaxError(f"translator dim {cfg.dim} is not divisible by heads {cfg.heads}; change one of them.")
         self.causal = cfg.causal
-        source_layers = cfg.source_window or cfg.window
         self.to_shared = LocalToShared(cfg, source_layers, cfg.source_width, rngs=rngs, dtype=dtype)
         self.from_shared = SharedToLocal(cfg, cfg.window, cfg.target_width, rngs=rngs, dtype=dtype)
 
@@ -116,13 +120,40 @@ def check_spec(spec, cfg: TranslatorConfig):
         (cfg.linear_skip, "has no linear skip; set linear_skip=False"),
         (
             spec.source_layers != tuple(range(len(spec.source_layers))),
-            "reads every source layer; build its spec with every_source_layer=True",
-        ),
-        (
-            len(spec.source_layers) != (cfg.source_window or cfg.window),
-            "reads every source layer; set source_window to their number (mixture_config does)",
+            "reads every source layer; build its spec with kind='lsc'",
         ),
     )
     for refused, why in refusals:
         if refused:
             raise MotJaxError(f"kind='lsc' {why}.")
+
+
+def every_layer(num_source: int, num_target: int):
+    """LSC's window: every source layer read, every target layer written."""
+    return range(num_source), range(num_target)
+
+
+def build(spec, cfg: TranslatorConfig, rngs, dtype):
+    layers = len(spec.source_layers)
+    return {part: LatentTranslator(cfg, layers, rngs=rngs, dtype=dtype) for part in ("key", "value")}
+
+
+register(
+    Kind(
+        name="lsc",
+        label=lambda t: "LSC",  # always direct: every target layer from the shared latent
+        build=build,
+        check=check_spec,
+        window=every_layer,
+        fields=dict(shared_slots=32, shared_dim=128),  # the latent per token (reference: 32 slots x 128)
+        counts=dict(shared_slots=1, shared_dim=1),
+        # the reference's sizes; its loss is the suffix CE alone
+        recipe={
+            "translator.mode": "direct",
+            "translator.dim": 512,
+            "translator.heads": 16,
+            "translator.mlp_ratio": 4,
+            "loss.correction_weight": 0.0,
+        },
+    )
+)

@@ -46,14 +46,21 @@ interlat`, as the reference).
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from mot_jax.errors import MotJaxError
+from mot_jax.models.base import first_valid_index
 from mot_jax.models.layers import MASK_VALUE, LayerNorm, Linear, einsum
-from mot_jax.translate.expert import EPS, TranslatorConfig, gelu, torch_std
+from mot_jax.translate import align as alignment_lib
+from mot_jax.translate.expert import EPS, gelu, torch_std
+from mot_jax.translate.kinds import Kind, register
+
+if TYPE_CHECKING:  # the config asks the kinds registry, which imports this module
+    from mot_jax.translate.config import TranslatorConfig
 
 DROPOUT = 0.1  # on the adapter's attention weights, in training
 CLIP = 10.0  # the adapter's outputs are clipped to [-CLIP, CLIP]
@@ -171,10 +178,53 @@ def check_spec(spec, cfg: TranslatorConfig):
         (spec.rotary, "sends hidden states, which hold no rotated keys; set rotary=False"),
         (
             spec.outputs != "embeddings",
-            "writes input embeddings; build its spec with TranslationSpec.build(latents=True)",
+            "writes input embeddings; build its spec with kind='interlat'",
         ),
         (cfg.linear_skip, "has no linear skip; set linear_skip=False"),
     )
     for refused, why in refusals:
         if refused:
             raise MotJaxError(f"kind='interlat' {why}.")
+
+
+def embed_latents(translator, source, target, source_cache, alignment, target_ids, mask, capacity, receiver, noise):
+    """The target's forward over the adapter's latents of the source's last hidden states
+    (`source_read(last_hidden=True)`) in place of its context's token embeddings, but at each row's first token,
+    which keeps the target's own; its cache (`capacity` slots) and no aux outputs. `noise`: the training dropout's key
+    (None: no dropout)."""
+    batch, length = target_ids.shape
+    hidden = alignment_lib.resample(source_cache.k[0, :, 0], alignment.weights)  # [B, T, Es] on the target grid
+    own = target.token_embeddings(target_ids)
+    latents = translator.adapter(hidden, mask, noise).astype(own.dtype)  # [B, T, Et]
+    is_first = (jnp.arange(length) == first_valid_index(mask)[:, None])[..., None]
+    cache = target.init_cache(batch, capacity)
+    embeddings = jnp.where(is_first, own, latents)
+    _, cache, _ = target.run_layers(target_ids, mask, cache=cache, fresh=True, embeddings=embeddings)
+    return cache, {}
+
+
+def extra_loss(translated, target, batch, source_cache, noise, logits, teacher):
+    """The reference's plan-similarity and random-contrast terms (`auxiliary_loss`) of the prompt's `logits` after
+    the translated cache, `teacher` after the native one, and after the cache translated from the mismatched source
+    (its own dropout key); (loss, metrics)."""
+    key = None if noise is None else jax.random.fold_in(noise, 1)
+    other, _ = translated(*mismatched(source_cache, batch.alignment), key)
+    random_logits, _ = target(batch.prompt, cache=jax.lax.stop_gradient(other))
+    return auxiliary_loss(logits, teacher, random_logits, batch.label_mask)
+
+
+register(
+    Kind(
+        name="interlat",
+        label=lambda t: "Interlat",  # its TTFT (translation) holds the target's forward over the latents
+        build=lambda spec, cfg, rngs, dtype: {"adapter": Adapter(cfg, rngs=rngs, dtype=dtype)},
+        translate=embed_latents,
+        check=check_spec,
+        outputs="embeddings",
+        window=lambda num_source, num_target: ((num_source - 1,), range(num_target)),  # one read: the last layer
+        # the reference's adapter has 8 heads; its loss has no K/V MSE
+        recipe={"translator.mode": "direct", "translator.heads": 8, "loss.correction_weight": 0.0},
+        noise=lambda key, step, total_steps, micro_batches: jax.random.split(key, micro_batches),
+        extra_loss=extra_loss,
+    )
+)

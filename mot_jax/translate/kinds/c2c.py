@@ -39,6 +39,7 @@ This is the MoT authors' C2C, which the paper's comparison ran, not thu-nics/C2C
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -46,7 +47,13 @@ from flax import nnx
 
 from mot_jax.errors import MotJaxError
 from mot_jax.models.layers import LayerNorm, Linear
-from mot_jax.translate.expert import EPS, CrossAttentionBlocks, TranslatorConfig, chain, gelu, output_head, torch_std
+from mot_jax.translate import channels
+from mot_jax.translate.expert import EPS, CrossAttentionBlocks, chain, gelu, output_head, torch_std
+from mot_jax.translate.kinds import Kind, register
+from mot_jax.translate.window import to_cache, window_block, window_inputs
+
+if TYPE_CHECKING:  # the config asks the kinds registry, which imports this module
+    from mot_jax.translate.config import TranslatorConfig
 
 GATE_INIT = 1.5  # the gate logits at init: sigmoid(1.5) = 0.82, every layer's gate open (reference)
 TEMPERATURE = (1.0, 0.1)  # the training gate's temperature at the first and the last step (reference)
@@ -146,3 +153,66 @@ def check_fusable(spec, cfg: TranslatorConfig):
     for refused, why in refusals:
         if refused:
             raise MotJaxError(f"kind='c2c' {why}.")
+
+
+def fuse(translator, own_k, own_v, k, v, mask, noise=None):
+    """The receiver's window K/V own_k, own_v [B, T, W, dt] fused with the aligned source's k, v [B, T, W, ds] by the
+    translator's K and V fusers -> fused k, v [B, T, W, dt] and the aux outputs, with "gate": the K and V gates
+    [2, W]; `noise` a `GateNoise` in training (split: K and V draw their own), None for the hard gate."""
+    k_noise, v_noise = (None, None) if noise is None else noise.split()
+    k_out, gate_k = translator.key(own_k, k, mask, k_noise)
+    v_out, gate_v = translator.value(own_v, v, mask, v_noise)
+    return k_out, v_out, {"key": {}, "value": {}, "gate": jnp.stack([gate_k, gate_v])}
+
+
+def fuse_receiver(translator, source, target, source_cache, alignment, target_ids, mask, capacity, receiver, noise):
+    """kind='c2c': the target's own prefill of its context (`receiver`, or run here) with its window layers' K/V
+    fused with the source's (`fuse`), in a cache of `capacity` slots; and the aux outputs."""
+    spec, t = translator.spec, target.config
+    batch, length = target_ids.shape
+    if receiver is None:
+        _, receiver, _ = target.run_layers(target_ids, mask, cache=target.init_cache(batch, capacity), fresh=True)
+    cache = receiver.with_capacity(capacity)
+    own = lambda kv: window_block(kv[..., :length, :], spec.target_layers)  # [B, T, W, Kt * dt]
+    k, v, aux = fuse(
+        translator,
+        own(cache.k),
+        own(cache.v),
+        *window_inputs(spec, source, target, source_cache, alignment),
+        mask,
+        noise,
+    )
+    heads = lambda y: to_cache(y.reshape(*y.shape[:3], t.num_kv_heads, t.head_dim), target)
+    layers = jnp.asarray(spec.target_layers)
+    return cache.replace(
+        k=cache.k.at[layers, :, :, :length].set(heads(k)), v=cache.v.at[layers, :, :, :length].set(heads(v))
+    ), aux
+
+
+def gate_noises(key, step, total_steps: int, micro_batches: int) -> GateNoise:
+    """Each micro-batch's training gate: the temperature at this update and its own noise."""
+    temperature = jnp.full(micro_batches, gate_temperature(step, total_steps))
+    return GateNoise(temperature, jax.random.split(key, micro_batches))
+
+
+def top_layers(num_source: int, num_target: int):
+    """C2C's terminal alignment: the top min(Ls, Lt) layers of each side, paired from the top."""
+    top = channels.terminal(num_source, num_target, 1.0)
+    return top.source, top.target
+
+
+register(
+    Kind(
+        name="c2c",
+        label=lambda t: "C2C",  # its target reads the context itself: its TTFT (translation) holds that prefill
+        build=lambda spec, cfg, rngs, dtype: {
+            part: ResidualCacheFuser(cfg, rngs=rngs, dtype=dtype) for part in ("key", "value")
+        },
+        translate=fuse_receiver,
+        check=check_fusable,
+        window=top_layers,
+        receiver=True,
+        recipe={"translator.mode": "direct", "loss.correction_weight": 0.0},  # the reference's loss: the suffix CE
+        noise=gate_noises,
+    )
+)

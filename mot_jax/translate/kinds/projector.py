@@ -9,12 +9,18 @@ so training, both injection modes, checkpoints and export treat it like a mixtur
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import jax.numpy as jnp
 from flax import nnx
 
 from mot_jax.errors import MotJaxError
 from mot_jax.models.layers import LayerNorm, Linear, einsum
-from mot_jax.translate.expert import EPS, TranslatorConfig, gelu, torch_std
+from mot_jax.translate.expert import EPS, gelu, torch_std
+from mot_jax.translate.kinds import Kind, register
+
+if TYPE_CHECKING:  # the config asks the kinds registry, which imports this module
+    from mot_jax.translate.config import TranslatorConfig
 
 
 def projector_hidden(cfg: TranslatorConfig) -> int:
@@ -43,3 +49,14 @@ class Projector(nnx.Module):
         per_layer = lambda a, m: einsum("btwi,wio->btwo", a, m.kernel[...]) + m.bias[...]
         y = per_layer(gelu(per_layer(self.norm(x), self.hidden)), self.out)
         return (gelu(y) if self.cfg.output_activation == "gelu" else y), {}
+
+
+register(
+    Kind(
+        name="projector",
+        label=lambda t: f"C2C-Project ({t.mode})",
+        build=lambda spec, cfg, rngs, dtype: {
+            part: Projector(cfg, rngs=rngs, dtype=dtype) for part in ("key", "value")
+        },
+    )
+)

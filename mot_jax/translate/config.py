@@ -1,0 +1,91 @@
+"""The translator's config: its shape and switches (`TranslatorConfig`), the fields every kind shares plus the
+kind's own (`Kind.fields`), and its dict form, the codec of checkpoints' identities and export configs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from mot_jax.errors import MotJaxError
+from mot_jax.translate import kinds
+
+
+@dataclasses.dataclass(frozen=True, init=False)
+class TranslatorConfig:
+    """Shape and switches of one K or V mixture. Paper defaults: dim 1024, 16 heads, depth 2, mlp_ratio 4, N=2, k=1.
+
+    The fields every kind shares; a kind's own fields (`Kind.fields`, e.g. LSC's `shared_slots`) are passed and read
+    like these (`cfg.shared_slots`) and held in `options`. A projector (`kind="projector"`) reads only the widths,
+    window, `dim` and `output_activation`.
+    """
+
+    source_width: int  # input width per window layer: source kv_heads * head_dim, plus any target-side features
+    target_width: int  # target kv_heads * head_dim (kind='mot_h': both widths are the models' hidden sizes)
+    window: int  # W: window layers translated together
+    kind: str = "mot"  # a registered kind (`mot_jax/translate/kinds/`): "mot", the mixture, is the paper's
+    dim: int = 1024  # projector: the hidden width is max(dim, target_width)
+    heads: int = 16
+    depth: int = 2  # R stages of W un-shared cross-attention blocks
+    mlp_ratio: int = 4
+    output_activation: str = "gelu"  # "gelu" (paper) | "none"
+    fused_output: bool = True  # one projection of all W states to all W layers (paper, W^2 cost) or one per layer
+    causal: bool = False  # translator attention over the context: bidirectional (paper) or causal
+    num_experts: int = 2
+    top_k: int = 1
+    dispatch: str = "sparse"  # "sparse" (only routed tokens' queries) | "dense" (every expert on every token)
+    capacity_factor: float = 1.25  # sparse: the first slot count per expert and row, ceil(factor * k * T / N)
+    linear_skip: bool = False  # ours: a linear map per window layer beside the translator, fitted by least squares
+    options: tuple = ()  # the kind's own fields, sorted (name, value) pairs, each read as an attribute
+
+    def __init__(self, source_width, target_width, window, **kwargs):
+        own = kinds.get(kwargs.get("kind", "mot")).fields
+        options = own | dict(kwargs.pop("options", ()))
+        for field in dataclasses.fields(self)[3:-1]:
+            object.__setattr__(self, field.name, kwargs.pop(field.name, field.default))
+        unknown = sorted(set(kwargs) - set(own))
+        if unknown:
+            raise MotJaxError(
+                f"{', '.join(unknown)} {'is not a field' if len(unknown) == 1 else 'are not fields'} of a "
+                f"kind={self.kind!r} translator; drop {'it' if len(unknown) == 1 else 'them'} or change the kind."
+            )
+        widths = dict(source_width=source_width, target_width=target_width, window=window)
+        for name, value in widths.items():
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "options", tuple(sorted((options | kwargs).items())))
+
+    def __getattr__(self, name):  # only for names that are not fields: the kind's own
+        for key, value in self.__dict__.get("options", ()):
+            if key == name:
+                return value
+        raise AttributeError(f"TranslatorConfig has no field {name!r}")
+
+    @property
+    def router_hidden(self):
+        return max(64, min(self.dim, self.window * self.source_width))
+
+    def to_dict(self) -> dict:
+        """Every field, the kind's own among them, JSON-ready: what a checkpoint's identity and an export's
+        config.json hold."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "options"}
+        return fields | dict(self.options)
+
+    @classmethod
+    def from_dict(cls, saved: dict) -> TranslatorConfig:
+        """Back from `to_dict()`, also as saved before later fields existed (`with_added_fields`)."""
+        return cls(**cls.with_added_fields(saved))
+
+    @staticmethod
+    def with_added_fields(saved: dict) -> dict:
+        """A saved dict plus the fields added after runs were saved, at the value those runs had, so that they
+        still resume and load (fixed here: a later change of a default must not change an old run), less the
+        fields of other kinds that runs saved before each kind held its own (LSC's, and its `source_window`, which
+        its spec gives)."""
+        saved = dict(kind="mot", linear_skip=False) | saved
+        own = kinds.get(saved["kind"]).fields
+        shared = {f.name for f in dataclasses.fields(TranslatorConfig)} - {"options"}
+        return {k: v for k, v in (own | saved).items() if k in shared or k in own}
+
+    def capacities(self, length):
+        """Sparse dispatch's query slot counts per expert and row below `length`, smallest first: the factor's
+        ceil(factor * k * T / N), then twice that (a step whose busiest queue fits neither runs the dense path)."""
+        first = -(-int(self.capacity_factor * self.top_k * length) // self.num_experts)
+        return tuple(c for c in dict.fromkeys((first, 2 * first)) if 0 < c < length)

@@ -1,0 +1,38 @@
+"""Ours (`kind="linear"`): the least-squares-started linear skip alone, no mixture beside it: the cheapest
+translator, and the dial's default (`linear_skip.py` fits it; `KVTranslator` holds it)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import nnx
+
+from mot_jax.errors import MotJaxError
+from mot_jax.translate.kinds import Kind, register
+
+
+class NoMixture(nnx.Module):
+    """Nothing beside the linear skip: zeros of the target width, so that the skip's output is the translation."""
+
+    def __init__(self, cfg, *, rngs, dtype=jnp.float32):
+        self.width = cfg.target_width
+
+    def __call__(self, x, mask):
+        return jnp.zeros((*x.shape[:-1], self.width), x.dtype), {}
+
+
+def check(spec, cfg):
+    if not cfg.linear_skip:
+        raise MotJaxError("kind='linear' is the linear skip alone; set linear_skip=True.")
+
+
+register(
+    Kind(
+        name="linear",
+        label=lambda t: f"linear translator ({t.mode})",
+        build=lambda spec, cfg, rngs, dtype: {
+            part: NoMixture(cfg, rngs=rngs, dtype=dtype) for part in ("key", "value")
+        },
+        check=check,
+        recipe={"translator.linear_skip": True},
+    )
+)

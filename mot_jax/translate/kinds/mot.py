@@ -1,0 +1,17 @@
+"""The paper's translator (`kind="mot"`): a mixture of cross-layer window translators for K and one for V
+(`mixture.py`, `expert.py`), written into the window layers by the window path (`window.py`)."""
+
+from __future__ import annotations
+
+from mot_jax.translate.kinds import Kind, register
+from mot_jax.translate.mixture import MixtureOfTranslators
+
+register(
+    Kind(
+        name="mot",
+        label=lambda t: f"single translator ({t.mode})" if t.num_experts == 1 else f"MoT {t.mode}",
+        build=lambda spec, cfg, rngs, dtype: {
+            part: MixtureOfTranslators(cfg, rngs=rngs, dtype=dtype) for part in ("key", "value")
+        },
+    )
+)

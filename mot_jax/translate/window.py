@@ -1,0 +1,164 @@
+"""The dial's window and the window path: which target layers a translator writes above the target's own bottom
+layers, and how the window's K/V are read from the source, translated and written in the target's cache layout.
+
+`check_native_bottom` is the one place the dial's `native_bottom` is validated (`TranslationSpec.build`, training and
+export call it). The window path (`translate_window`) is what `translator.translate` runs for every kind without a
+path of its own; the kinds' own paths (`kinds/`) reuse its pieces.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from mot_jax.errors import MotJaxError
+from mot_jax.models import decoder
+from mot_jax.models.base import CausalLM, first_valid_index, positions_from_mask
+from mot_jax.models.layers import apply_rope
+from mot_jax.translate import align as alignment_lib
+
+alignment_lib.register_pytree()  # alignments enter jitted code here
+
+
+def check_native_bottom(native_bottom, num_target_layers, mode="direct", inputs=("source",), translates=False):
+    """Refuse, in one line, a `native_bottom` the dial cannot run: outside 0..L (L: the target's layers), set in
+    replay, or 0 with the 'hidden' input (the residual stream after the native bottom). `translates`: the caller
+    needs layers to translate (training, export), so B = L (native context, nothing written) is refused too."""
+    if native_bottom and mode != "direct":
+        raise MotJaxError("native_bottom applies to mode='direct' only; set it to 0 for replay.")
+    if not 0 <= native_bottom <= num_target_layers:
+        raise MotJaxError(
+            f"native_bottom={native_bottom} is outside 0..{num_target_layers} (the target's layers); pass one in "
+            "that range."
+        )
+    if translates and native_bottom == num_target_layers:
+        raise MotJaxError(
+            f"native_bottom={native_bottom} leaves none of the target's {num_target_layers} layers to translate "
+            "(that is native context); pass a smaller native_bottom."
+        )
+    if "hidden" in inputs and not native_bottom:
+        raise MotJaxError(
+            "The 'hidden' input is the target's residual stream after its native bottom layers; "
+            "set native_bottom > 0 or drop it."
+        )
+
+
+def rope_or_none(model: CausalLM):
+    return decoder.rope_table(model.config) if model.config.rotary else None
+
+
+def window_block(cache_kv, layers, positions=None, inv_freq=None):
+    """[L, B, K, S, d] -> the window layers as [B, S, W, K * d]; un-rotated by -positions when given tables."""
+    x = cache_kv[jnp.asarray(layers)].transpose(1, 3, 0, 2, 4)  # [B, S, W, K, d]
+    if inv_freq is not None:
+        x = jnp.stack([apply_rope(x[:, :, i], -positions, inv_freq[li]) for i, li in enumerate(layers)], 2)
+    return x.reshape(*x.shape[:3], -1)
+
+
+def first_token_kv(target: CausalLM, target_ids, first, layers):
+    """The target's own K/V at `layers` of each row's first token (at index `first` [B]), each [W, B, Kt, 1, dt].
+    The first token attends only to itself, so its K/V depend on that token alone (a BOS: the attention sink every
+    later token reads) and are computed exactly, not translated."""
+    _, cache, _ = target.run_layers(target_ids[jnp.arange(target_ids.shape[0]), first][:, None])
+    pick = jnp.asarray(layers)
+    return cache.k[pick], cache.v[pick]
+
+
+def rotary_tables(spec, source: CausalLM, target: CausalLM):
+    """(source, target) RoPE tables when keys are translated un-rotated (spec.rotary and both models rotary), else
+    (None, None)."""
+    source_freq, target_freq = rope_or_none(source), rope_or_none(target)
+    if spec.rotary and source_freq is not None and target_freq is not None:
+        return source_freq, target_freq
+    return None, None
+
+
+def rms_normalized(x):
+    x = x.astype(jnp.float32)
+    return x * jax.lax.rsqrt(jnp.mean(jnp.square(x), -1, keepdims=True) + 1e-6)
+
+
+def run_native_bottom(spec, target: CausalLM, target_ids, mask, cache):
+    """The target's own layers `0..native_bottom-1` over the context into `cache` (empty), and the target-side
+    features the translator reads ([B, T, F], None when it reads the source alone)."""
+    hidden = None
+    if spec.native_bottom:
+        hidden, cache, _ = target.run_layers(target_ids, mask, cache=cache, fresh=True, stop=spec.native_bottom)
+    else:
+        cache = cache.append_slots(positions_from_mask(mask), mask)
+    features = []
+    if "embeddings" in spec.inputs:
+        features.append(rms_normalized(target.embed(target_ids, positions_from_mask(mask))))
+    if "hidden" in spec.inputs:
+        features.append(rms_normalized(hidden))
+    return cache, (jnp.concatenate(features, -1) if features else None)
+
+
+def window_inputs(spec, source: CausalLM, target: CausalLM, source_cache, alignment, features=None):
+    """The translator's inputs, each [B, T, W, F]: the window's source K (un-rotated for rotary specs) and V on the
+    target grid (`spec.reads_source`), then the target-side `features` [B, T, Ft] of every window layer."""
+    parts_k, parts_v = [], []
+    if spec.reads_source:
+        source_freq, _ = rotary_tables(spec, source, target)
+        k = window_block(source_cache.k, spec.source_layers, source_cache.positions, source_freq)
+        v = window_block(source_cache.v, spec.source_layers)
+        parts_k.append(alignment_lib.resample(k, alignment.weights))
+        parts_v.append(alignment_lib.resample(v, alignment.weights))
+    if features is not None:
+        shared = jnp.broadcast_to(
+            features[:, :, None], (*features.shape[:2], len(spec.target_layers), features.shape[-1])
+        )
+        dtype = parts_k[0].dtype if parts_k else shared.dtype
+        parts_k.append(shared.astype(dtype))
+        parts_v.append(shared.astype(dtype))
+    return jnp.concatenate(parts_k, -1), jnp.concatenate(parts_v, -1)
+
+
+def translate_window(translator, source: CausalLM, target: CausalLM, source_cache, alignment, mask, features=None):
+    """The translated window K/V, each [W, B, Kt, T, dt], and the mixtures' aux outputs {"key": .., "value": ..}."""
+    spec, t = translator.spec, target.config
+    k, v, aux = translator(*window_inputs(spec, source, target, source_cache, alignment, features), mask)
+    pos = positions_from_mask(mask)
+    if spec.outputs == "hidden":  # layer inputs: the target's own projections, k-norm and RoPE make the K/V
+        k, v = target.window_key_values(spec.target_layers, k, v, pos)  # [B, T, W, Kt, dt]
+        return to_cache(k, target), to_cache(v, target), aux
+    heads = lambda y: y.reshape(*y.shape[:3], t.num_kv_heads, t.head_dim)
+    k, v = heads(k), heads(v)  # [B, T, W, Kt, dt]
+    _, target_freq = rotary_tables(spec, source, target)
+    if target_freq is not None:
+        k = jnp.stack([apply_rope(k[:, :, i], pos, target_freq[li]) for i, li in enumerate(spec.target_layers)], 2)
+    return to_cache(k, target), to_cache(v, target), aux
+
+
+def to_cache(y, target: CausalLM):
+    """[B, T, W, K, d] -> the cache layout [W, B, K, T, d] in the target's dtype."""
+    return y.transpose(2, 0, 3, 1, 4).astype(target.param_dtype)
+
+
+@struct.dataclass
+class TargetSide:
+    """What `translate` reads from the frozen target over a context, whatever the translator (`target_side`): the
+    feature cache (training/features.py) stores it per chunk so that training skips those forwards."""
+
+    bottom_k: jax.Array | None  # direct, native_bottom = B > 0: the native K/V of layers 0..B-1, [B, b, Kt, T, dt]
+    bottom_v: jax.Array | None
+    features: jax.Array | None  # direct: the target-side inputs the translator reads, [b, T, F] (None: source only)
+    first_k: jax.Array | None  # the first token's own K/V at the window layers, [W, b, Kt, 1, dt] (None: no window)
+    first_v: jax.Array | None
+
+
+def target_side(spec, target: CausalLM, target_ids, mask, capacity: int) -> TargetSide:
+    """The `TargetSide` of the context `target_ids` [b, T] (padding per `mask`), as `translate` computes it into a
+    cache of `capacity` slots."""
+    batch, length = target_ids.shape
+    mask = mask.astype(bool)
+    bottom_k = bottom_v = features = first_k = first_v = None
+    if spec.mode == "direct":
+        cache, features = run_native_bottom(spec, target, target_ids, mask, target.init_cache(batch, capacity))
+        if spec.native_bottom:
+            bottom = lambda kv: kv[: spec.native_bottom, :, :, :length]
+            bottom_k, bottom_v = bottom(cache.k), bottom(cache.v)
+    if spec.target_layers:
+        first_k, first_v = first_token_kv(target, target_ids, first_valid_index(mask), spec.target_layers)
+    return TargetSide(bottom_k, bottom_v, features, first_k, first_v)
