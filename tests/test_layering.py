@@ -61,6 +61,27 @@ def test_mot_jax_imports_have_no_cycle():
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
+# the layers, bottom up (docs/architecture.md): a part may import its own layer and those below, never one above
+LAYERS = [("models",), ("translate",), ("training",), ("evals",), ("bench", "export")]
+
+
+def test_imports_point_down_the_layers():
+    """No module of `translate` imports `training`, `evals`, `bench` or `export`; none of `training` imports `evals`,
+    `bench` or `export`; and so on up (docs/architecture.md, "What imports what")."""
+    rank = {f"mot_jax.{part}": i for i, parts in enumerate(LAYERS) for part in parts}
+    layer = lambda module: next((rank[p] for p in rank if module == p or module.startswith(p + ".")), None)
+    upward = [
+        (module, imported)
+        for module, imports in import_graph(PACKAGE).items()
+        for imported in imports
+        if layer(module) is not None and layer(imported) is not None and layer(imported) > layer(module)
+    ]
+    assert ("mot_jax.evals.run", "mot_jax.training.trained") in {
+        (m, i) for m, imports in import_graph(PACKAGE).items() for i in imports
+    }  # the graph sees a downward import
+    assert not upward, upward
+
+
 def test_rotary_property_agrees_with_the_model_classes():
     """`ModelConfig.rotary` (the one rule translate and export use) is true exactly for the families whose model
     class applies RoPE (decoder.RotaryLM)."""
