@@ -76,6 +76,18 @@ def test_the_closing_report_names_the_checkpoint_its_table_describes(tiny_run):
         "Held-out prompt CE of the translator at the last step (step 30, in checkpoints/; best/ keeps step 10, whose "
         "validation loss 4.9625 is the lowest):"
     )
+    # issue 38's run: every validated step above the least-squares start, which best/ does not hold; the heading says
+    above_its_start = summary | dict(
+        steps=30,
+        best=dict(step=30, validation_loss=5.0395),
+        initial_validation=summary["initial_validation"] | dict(loss=4.9625),
+    )
+    lines = closing_report(above_its_start, workdir, 0).splitlines()
+    assert lines[0] == (
+        "Held-out prompt CE of the translator at the last step (step 30, in checkpoints/ and best/: its validation "
+        "loss is the lowest of its validated steps, above the untrained translator's 4.9625):"
+    )
+    assert lines[-2].startswith("(prompt CE = minus the mean log-probability per token of the prompt's labels, ")
 
 
 def test_the_closing_passes_show_progress_in_a_log(capsys, monkeypatch):
@@ -91,3 +103,27 @@ def test_the_closing_passes_show_progress_in_a_log(capsys, monkeypatch):
     assert shown == [f"Closing table, held-out: {p:>4}" for p in percents] + [
         f"Closing table, held-out, shuffled source: {p:>4}" for p in percents
     ], lines
+
+
+def test_the_tables_ce_is_minus_the_evaluations_gold_log_prob():
+    # issue 40 asks for the log-probability measure beside CE: the table's prompt CE already is minus that measure
+    # (every row scores the same number of labels), so a log-prob column would repeat it with the sign turned
+    from mot_jax.evals.prompts import choice_logprob
+    from mot_jax.training.data import retrieval_batches
+
+    c = tiny_config(mode="direct")
+    trainer, pair = trainer_for(c, make_mesh(c), steps=1)
+    target = pair.target
+    plain = [tiny_batch(pair.source_tokenizer, pair.target_tokenizer, batch=2, offset=2 * i) for i in range(2)]
+    for batches in (plain, retrieval_batches(plain, seed=0)):
+        rows = []
+        for b in batches:
+            size, length = b.context.shape
+            native = target.run_layers(
+                b.context, b.context_mask, cache=target.init_cache(size, length + b.prompt.shape[1] + 1), fresh=True
+            )[1]
+            # the evaluation's gold log-prob: the labels as the answer, read after the prompt's first token
+            first = np.ones((size, 1), bool)
+            rows += list(np.asarray(choice_logprob(target, native, b.prompt[:, :1], first, b.labels, b.label_mask)))
+        assert len({int(n) for b in batches for n in b.label_mask.sum(1)}) == 1  # labels per row: all equal
+        np.testing.assert_allclose(-np.mean(rows), trainer.baselines(batches)["native"], rtol=1e-5)

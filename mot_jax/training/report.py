@@ -82,26 +82,40 @@ def evaluation_table(results: dict) -> str:
     return markdown_table(("method", "prompt CE", "perplexity", "retrieval CE", "retrieval perplexity"), rows)
 
 
+# the table's CE is the teacher-forced measure `python -m mot_jax.evaluate` reports as gold log-prob, sign turned: every
+# row of a batch scores as many labels (all of a chunk's prompt, or the copied span of a retrieval row), so the mean
+# over tokens is the mean over rows of each row's mean log-probability per token (test_closing_table)
+CE_IS_LOG_PROB = (
+    "prompt CE = minus the mean log-probability per token of the prompt's labels, teacher-forced: evaluate's gold "
+    "log-prob measure with its sign turned (on the retrieval rows the copied span is the gold answer)"
+)
+
+
 def closing_report(summary: dict, workdir, start: int) -> str:
     """What a finished run prints: the held-out table, naming the checkpoint it describes (the last step's, which
-    need not be best/'s), and a line of totals."""
+    need not be best/'s) and saying when the untrained translator's validation loss was lower still, what its CE
+    is, and a line of totals."""
     steps, results, best, initial = (
         summary["steps"],
         summary["held_out"],
         summary["best"],
         summary["initial_validation"],
     )
+    lowest = "the lowest"
+    if best["validation_loss"] > initial["loss"]:  # best/ holds trained steps only
+        lowest += f" of its validated steps, above the untrained translator's {initial['loss']:.4f}"
     if best["step"] == steps:
-        which = f"step {steps}, in checkpoints/ and best/: its validation loss is the lowest"
+        which = f"step {steps}, in checkpoints/ and best/: its validation loss is {lowest}"
     else:
         which = (
             f"step {steps}, in checkpoints/; best/ keeps step {best['step']}, whose validation loss "
-            f"{best['validation_loss']:.4f} is the lowest"
+            f"{best['validation_loss']:.4f} is {lowest}"
         )
     return "\n".join(
         [
             f"Held-out prompt CE of the translator at the last step ({which}):",
             evaluation_table(results),
+            f"({CE_IS_LOG_PROB}.)",
             f"done: {steps} steps ({steps - start} this run) in {summary['seconds']:.0f} s; validation loss "
             f"{summary['final_validation']['loss']:.4f} (untrained {initial['loss']:.4f}); prompt CE translated "
             f"{results['translated']:.4f}, native {results['native']:.4f}, no context {results['no_context']:.4f}; "
