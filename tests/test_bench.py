@@ -180,3 +180,56 @@ def test_ttft_only_times_native_and_the_methods_it_names():
     assert [m.name for m in main.methods] == ["native", "text_relay"] and kvcomm
     with pytest.raises(MotJaxError, match="--only linaer names no method"):
         ttft.groups(dataclasses.replace(plan, only=("linaer",)))
+
+
+def test_models_table_reports_gflops_against_the_matmul_rate():
+    """`bench models`' prefill table: each side's GFLOP/s (closed-form FLOPs over its time) and share of the matmul
+    rate in the row's dtype; the FLOPs by hand on a tiny config."""
+    from mot_jax.bench import flops, models
+    from mot_jax.models.base import ModelConfig
+
+    cfg = ModelConfig(
+        family="llama",
+        vocab_size=32,
+        hidden_size=8,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=4,
+        intermediate_size=16,
+        max_positions=64,
+        norm_eps=1e-6,
+        activation="silu",
+    )
+    # 3 tokens: per token and layer q 8x8, k and v 8x4, o 8x8, gate/up/down 8x16 (2 x 576 multiply-adds); causal
+    # attention over 1 + 2 + 3 keys, QK and PV, 2 heads of 4; the last position's logits 8 x 32
+    one = 2 * 3 * 2 * (64 + 64 + 64 + 384) + 2 * 4 * 2 * 4 * (1 + 2 + 3) + 2 * 8 * 32
+    assert flops.prefill_flops(cfg, 3) == one == 7808 and flops.prefill_flops(cfg, 3, batch=2) == 2 * one
+    rows = [
+        ("m", "float32", 2048, 1, 0.5, 1.0, 3.0, 40e9),  # mot_jax 80 GFLOP/s, transformers 40
+        ("m", "bfloat16", 128, 8, 2.0, 1.0, 1.0, 10e9),
+    ]
+    rates = {"float32": 100e9, "bfloat16": 50e9}
+    table = models.prefill_table(rows, rates)
+    assert table.header[6:11] == (
+        "speed-up",
+        "mot_jax GFLOP/s",
+        "transformers GFLOP/s",
+        "mot_jax / matmul rate",
+        "transformers / matmul rate",
+    )
+    assert table.rows[0][6:] == ("2.00x", "80.0", "40.0", "80%", "40%", "3.0")
+    assert table.rows[1][6:] == ("0.50x", "5.0", "10.0", "10%", "20%", "1.0")
+    assert models.shares(rows, rates, 2048) == [0.8] and models.speedups(rows, "bfloat16") == [0.5]
+    assert models.speed_goals(rows, ("float32", "bfloat16")) == [
+        "Goal (float32 prefill faster than transformers in every cell): **met, 2.00x at the least**.",
+        "Goal (bfloat16 prefill faster than transformers in every cell): **not met, 0.50x at the least**.",
+    ]
+
+
+def test_matmul_rate_is_measured_in_each_dtype():
+    from mot_jax.bench import flops
+
+    for dtype in ("float32", "bfloat16"):
+        rate = flops.matmul_rate(64, dtype, 2)
+        assert math.isfinite(rate) and rate > 0

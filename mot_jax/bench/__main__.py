@@ -2,7 +2,9 @@
 
   python -m mot_jax.bench                       # every part -> BENCHMARKS.md + benchmarks_ttft.png (here, or --out)
   python -m mot_jax.bench models                # prefill (and decode) against transformers: random-init shapes at
-                                                # 512 tokens, and the offline pair at 128 / 512 / 2,048 tokens
+                                                # 512 tokens, and the offline pair at 128 / 512 / 2,048 tokens, in
+                                                # float32 and bfloat16, each side's GFLOP/s against the machine's
+                                                # matmul rate measured in the run
   python -m mot_jax.bench mixture               # sparse against dense mixture, N = 2, 4, 8 and k = 1, 2
   python -m mot_jax.bench align                 # alignment of 2,048-token texts against the per-token reference
   python -m mot_jax.bench ttft                  # every method's time to first token, side by side (evals.latency):
@@ -93,8 +95,8 @@ def define_flags():
     flags.DEFINE_list("models", ["gpt2", "opt-125m", "qwen2-160m"], models)
     flags.DEFINE_integer("tokens", 512, "models: prompt length of --models.")
     flags.DEFINE_list("batches", ["1", "8"], "models: batch sizes of --models.")
-    flags.DEFINE_list("dtypes", ["float32", "bfloat16"], "models: dtypes of --models.")
-    pair = "models: real models, prefill at every --lengths (batch 1, float32) and greedy decode ('' skips)."
+    flags.DEFINE_list("dtypes", ["float32", "bfloat16"], "models: dtypes of --models and --pair.")
+    pair = "models: real models, prefill at every --lengths (batch 1, every --dtypes) and greedy decode ('' skips)."
     flags.DEFINE_list("pair", ["smollm2-135m", "gemma3-270m"], pair)
     flags.DEFINE_list("lengths", ["128", "512", "2048"], "Prompt lengths of --pair and context lengths of ttft.")
     flags.DEFINE_integer("decode_tokens", 32, "models: greedy tokens decoded by --pair (0: skip).")

@@ -26,7 +26,7 @@ class Plan:
     tokens: int
     batches: tuple
     dtypes: tuple
-    pair: tuple  # real models: prefill at every length (batch 1, float32) and greedy decode
+    pair: tuple  # real models: prefill at every length (batch 1, every dtype) and greedy decode
     lengths: tuple  # the pair's prefill lengths and the ttft context lengths
     decode_tokens: int
     decode_prompt: int
@@ -40,7 +40,7 @@ class Plan:
     train_dtype: str = ""  # train: the LLMs' dtype instead of the EXPERIMENT's ("")
     eval_examples: int = 32  # eval: examples of the evaluation's answer loop, in batches of eval_batch
     eval_batch: int = 16
-    matmul_size: int = 2048  # eval: the square matmul that measures the machine's rate
+    matmul_size: int = 2048  # models, eval: the square matmul that measures the machine's rate
 
 
 DEFAULT_MIXTURE = dict(

@@ -5,9 +5,10 @@ answer's log-probability) with its two baselines that need no translator, no con
 target of `--pair`, over synthetic extractive examples drawn past the held-out split (so the evaluation's own split
 stays unread). The bound: the FLOPs of the prefills it runs (every forward over many tokens at once: the context's
 prefill, the question read after the cache, the question and gold answer teacher-forced) over the machine's matmul
-rate, measured here on a square matmul in the model's dtype. The FLOPs are counted in closed form (`forward_flops`)
-on the real tokens, causally, as a perfect kernel would do them: no padding, no masked keys; the decode steps are
-counted apart (memory-bound, one token a step) and added in a second bound.
+rate, measured here on a square matmul in the model's dtype. The FLOPs are counted in closed form
+(`flops.forward_flops`, shared with the models part) on the real tokens, causally, as a perfect kernel would do them:
+no padding, no masked keys; the decode steps are counted apart (memory-bound, one token a step) and added in a second
+bound.
 """
 
 from __future__ import annotations
@@ -18,35 +19,10 @@ import time
 import types
 
 from mot_jax.bench.common import Plan, Section, Table, log
+from mot_jax.bench.flops import attended, forward_flops, linear_flops, matmul_rate, rate_size
 
-GATED = ("llama", "qwen2", "qwen3", "gemma3")  # families whose MLP has gate, up and down projections
-
-
-def linear_flops(cfg) -> int:
-    """Matmul FLOPs per token of one layer's projections: q, k, v, o and the MLP (2 per multiply-add)."""
-    d, h, k, hd, f = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
-    mlp = (3 if cfg.family in GATED else 2) * d * f
-    return 2 * (d * hd * (h + 2 * k) + h * hd * d + mlp)
-
-
-def attended(cfg, layer: int, past: int, new: int) -> int:
-    """Keys the `new` tokens at positions past..past+new-1 attend to in `layer`, summed (causal, the layer's window)."""
-    window = cfg.windows[layer] if cfg.layer_windows else None
-    return sum(min(q + 1, window) if window else q + 1 for q in range(past, past + new))
-
-
-def forward_flops(cfg, new: int, past: int = 0, logits: int = 1) -> int:
-    """Matmul FLOPs of one row's forward over `new` tokens after `past` cached ones, with `logits` positions
-    unembedded: every layer's projections for each new token, attention scores and values over the keys each new
-    token sees, and the unembedding (OPT's projections to and from its word-embedding width included)."""
-    if new <= 0:
-        return 0
-    d, heads, hd = cfg.hidden_size, cfg.num_heads, cfg.head_dim
-    width = getattr(cfg, "word_embed_proj_dim", 0) or d
-    projections = 2 * width * d * (new + logits) if width != d else 0
-    layers = cfg.num_layers * new * linear_flops(cfg)
-    attention = sum(4 * heads * hd * attended(cfg, layer, past, new) for layer in range(cfg.num_layers))
-    return layers + attention + projections + 2 * width * cfg.vocab_size * logits
+# the closed form lived here first: its tests import it from this module
+__all__ = ["Work", "attended", "batch_flops", "bench_eval", "forward_flops", "linear_flops", "matmul_rate"]
 
 
 @dataclasses.dataclass
@@ -69,23 +45,6 @@ def batch_flops(cfg, prefix: list[int], suffix: list[int], gold: list[int], new_
         work.prefill += forward_flops(cfg, s + g, past=p, logits=g)
         work.decode += sum(forward_flops(cfg, 1, past=p + s + j) for j in range(new_tokens - 1))
     return work
-
-
-def matmul_rate(size: int, dtype: str, runs: int) -> float:
-    """FLOP/s of a jitted [size, size] @ [size, size] matmul in `dtype`, the median of `runs` after a warm-up."""
-    import jax
-    import jax.numpy as jnp
-
-    a = jax.random.normal(jax.random.key(0), (size, size), jnp.float32).astype(dtype)
-    b = jax.random.normal(jax.random.key(1), (size, size), jnp.float32).astype(dtype)
-    product = jax.jit(lambda a, b: a @ b)
-    jax.block_until_ready(product(a, b))
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        jax.block_until_ready(product(a, b))
-        times.append(time.perf_counter() - start)
-    return 2 * size**3 / statistics.median(times)
 
 
 def work_of(models, methods, examples, settings) -> dict[str, Work]:
@@ -140,10 +99,8 @@ def bench_eval(plan: Plan) -> Section:
         walls.append(time.perf_counter() - start)
         for m in methods:
             per_method[m.name].append(sum(seconds for _, seconds in rows[m.name]["timed"]))
-    import jax
-
-    size = plan.matmul_size if jax.default_backend() == "cpu" or plan.quick else max(plan.matmul_size, 8192)
-    rate = matmul_rate(size, "float32", max(plan.runs, 3))  # an accelerator needs a big one to reach its rate
+    size = rate_size(plan)
+    rate = matmul_rate(size, "float32", max(plan.runs, 3))
     work = work_of(models, methods, examples, settings)
     n = len(examples)
     total = Work(sum(w.prefill for w in work.values()), sum(w.decode for w in work.values()))
@@ -181,7 +138,7 @@ def bench_eval(plan: Plan) -> Section:
         f"tokens, the gold answer's log-probability) on {n} synthetic extractive examples (past the held-out split) "
         f"of `{name}` (float32), no context and native context, the median of {plan.runs} timed passes after a "
         f"warm-up pass; against the compute bound of the same work: its FLOPs (real tokens, causal attention, closed "
-        f"form: `mot_jax/bench/evalrate.py`) at the machine's matmul rate, **{rate / 1e9:.1f} GFLOP/s** (float32 "
+        f"form: `mot_jax/bench/flops.py`) at the machine's matmul rate, **{rate / 1e9:.1f} GFLOP/s** (float32 "
         f"[{size}]^2 @ [{size}]^2, median). 'share' is examples/s over the bound: the "
         "fraction of the machine's matmul rate the run turns into useful work."
     )
