@@ -3,9 +3,10 @@
 import dataclasses
 
 import numpy as np
-from helpers import tiny_batch, tiny_config, trainer_for
+from helpers import load_config, tiny_batch, tiny_config, trainer_for
 
 from mot_jax import progress
+from mot_jax.training import loop
 from mot_jax.training.report import closing_report, evaluation_table
 from mot_jax.training.setup import make_mesh
 from mot_jax.training.trainer import shuffled_source
@@ -88,6 +89,21 @@ def test_the_closing_report_names_the_checkpoint_its_table_describes(tiny_run):
         "loss is the lowest of its validated steps, above the untrained translator's 4.9625):"
     )
     assert lines[-2].startswith("(prompt CE = minus the mean log-probability per token of the prompt's labels, ")
+
+
+def test_a_run_whose_validation_loss_rises_above_its_start_says_so(tmp_path, capsys):
+    # the quickstart's recipe (least-squares start, then CE + K/V MSE) at :tiny, with a rate that raises the K/V
+    # error: every validated step's loss ends above the start's, which best/ does not hold (issue 38)
+    config = load_config(arg="tiny", steps=2, eval_every=2, checkpoint_every=2, **{"optim.learning_rate": 0.3})
+    summary = loop.train_and_evaluate(config, tmp_path)
+    start = summary["initial_validation"]["loss"]
+    assert summary["best"]["step"] == 2 and summary["best"]["validation_loss"] > start
+    printed = capsys.readouterr().out.splitlines()
+    heading = [line for line in printed if line.startswith("Held-out prompt CE of the translator")]
+    assert heading == [
+        "Held-out prompt CE of the translator at the last step (step 2, in checkpoints/ and best/: its validation "
+        f"loss is the lowest of its validated steps, above the untrained translator's {start:.4f}):"
+    ]
 
 
 def test_the_closing_passes_show_progress_in_a_log(capsys, monkeypatch):
