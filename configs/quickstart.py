@@ -13,15 +13,21 @@ held-out chunks and on the same chunks made retrieval rows.
 
     python -m mot_jax.train --config=configs/quickstart.py --workdir=/tmp/mot_quickstart
 
-Time: about 8.5 minutes on an idle 2-core CPU (the least-squares fit ~2, 30 steps ~2.5, the closing table ~1.5);
-the first run also converts both models (~1 minute) and prepares the corpus and chunk tables (~2 minutes).
-Expected (one run's closing table, 8 held-out batches of 4): on plain held-out text the translated cache is near
-native (prompt CE 3.822 trained, 3.861 at the least-squares start, native 3.773, no context 7.753, shuffled source
-3.895); on the retrieval rows, where the answer must come from the context, the trained translation reaches 0.763
-against native 0.464 and no context 7.549, and its shuffled source 2.088: what the translated cache carries of this
-row's passage. On extractive QA (64 examples, docs/results/2026-12-02-quickstart-levers.md) this run keeps 30% of
-native F1 (0.105 against 0.346), level with its source-free and shuffled-source controls: the retrieval-CE gain does
-not reach the answers yet.
+Time, measured (docs/results/2026-12-04-quickstart-default.md): 12 min 16 s of wall time, 14.0 CPU-minutes, on a
+2-core CPU (load ~2, mostly the run itself, 4.6 near its end): the least-squares fit 1.6 min, the untrained passes
+1.1, 30 steps with three validations 4.8, the closing table 4.5; the first run also converts both models and
+prepares the corpus (~3 minutes). Other jobs stretch the wall time, not the CPU time (27 min at a load of 3.5-12).
+Expected (that run's closing table, 8 held-out batches of 4; prompt CE is minus the mean log-probability per token):
+on plain held-out text the translated cache is near native (prompt CE 3.822 trained, 3.861 at the least-squares
+start, native 3.773, no context 7.753, shuffled source 3.895); on the retrieval rows, where the answer must come
+from the context, the trained translation reaches 0.763 against 1.550 at its start, native 0.464 and no context
+7.549, and its shuffled source 2.088: what the translated cache carries of this row's passage. So the run ends
+better than its start on both held-out columns; its validation loss (prompt CE + K/V MSE on 4 plain batches, whose
+K/V error the start minimises) rises from 4.963 to 5.040, and the table's heading says so. A lower rate (1e-4),
+fewer steps or early stopping on that loss each ended worse on held-out data than this run (that log). On
+extractive QA (64 examples, docs/results/2026-12-02-quickstart-levers.md) this run keeps 30% of native F1 (0.105
+against 0.346), level with its source-free and shuffled-source controls: the retrieval-CE gain does not reach the
+answers yet.
 
 `:replay` is the earlier quickstart: a `replay` mixture of 2 small experts over the top 5 target layers (the target
 re-reads its context below them), 100 steps (~10 minutes; its translated window carries little: retrieval CE 0.369
