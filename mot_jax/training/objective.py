@@ -241,18 +241,30 @@ def context_correction(
     metrics = dict(**errors, load_balance=load_balance, z_loss=z_loss)
     if gates is not None:
         metrics["gate"] = gates.mean()
-    if weights.reads_prompt or prompt or kind.extra_loss:  # else a KV-space objective: no forward over the prompt
+    logits = teacher = None
+    if weights.reads_prompt or prompt or kind.teacher:  # else a KV-space objective: no forward over the prompt
         logits, _ = target(batch.prompt, cache=cache)
         metrics["ce"] = token_cross_entropy(logits, batch.labels, batch.label_mask)
         loss = loss + weights.ce * metrics["ce"]
-    if weights.distill or kind.extra_loss:  # one more target forward over the prompt, after the native cache
+    if weights.distill or kind.teacher:  # one more target forward over the prompt, after the native cache
         teacher, _ = target(batch.prompt, cache=native.with_capacity(capacity))
         teacher = jax.lax.stop_gradient(teacher)  # no gradient reaches it
     if weights.distill:
         metrics["kl"] = distillation_kl(logits, teacher, batch.label_mask)
         loss = loss + weights.distill * metrics["kl"]
     if kind.extra_loss:
-        extra, terms = kind.extra_loss(translated, target, batch, source_cache, noise, logits, teacher)
+        extra, terms = kind.extra_loss(
+            translated=translated,
+            target=target,
+            batch=batch,
+            source_cache=source_cache,
+            noise=noise,
+            cache=cache,
+            native=native,
+            first=first,
+            logits=logits,
+            teacher=teacher,
+        )
         loss, metrics = loss + extra, metrics | terms
     if weights.attention:
         if not reads:

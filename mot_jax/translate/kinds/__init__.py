@@ -51,10 +51,13 @@ class Kind:
     recipe: dict = dataclasses.field(default_factory=dict)
     # training noise per micro-batch, `noise(key, step, total_steps, micro_batches)` (None: the kind has none)
     noise: Callable | None = None
-    # an extra training loss, `extra_loss(translated, source_cache, alignment, noise, logits, teacher, label_mask,
-    # target, prompt)` -> (loss, metrics): `translated(source_cache, alignment, noise)` rebuilds the cache, `teacher`
-    # the prompt's logits after the native cache (None: the kind has none)
+    # an extra training loss (None: the kind has none), called with keywords -> (loss, metrics): `translated(
+    # source_cache, alignment, noise)` rebuilds the cache; `target`, `batch`, `source_cache`, `noise`; `cache` the
+    # translated cache and `native` the target's own of the context (K/V [L, B, K, T, d]), `first` the first layer
+    # the translator writes; `logits` the prompt's after the translated cache and `teacher` after the native one,
+    # where computed (the CE, the KL, or `teacher=True`), else None
     extra_loss: Callable | None = None
+    teacher: bool = False  # its extra loss reads the prompt's logits after the translated and the native caches
     no_export: str = ""  # why the PyTorch export does not serve it ("": it does; `torch_translator.EXPORTED_KINDS`)
 
     @property

@@ -203,7 +203,7 @@ def embed_latents(translator, source, target, source_cache, alignment, target_id
     return cache, {}
 
 
-def extra_loss(translated, target, batch, source_cache, noise, logits, teacher):
+def extra_loss(*, translated, target, batch, source_cache, noise, logits, teacher, **_):
     """The reference's plan-similarity and random-contrast terms (`auxiliary_loss`) of the prompt's `logits` after
     the translated cache, `teacher` after the native one, and after the cache translated from the mismatched source
     (its own dropout key); (loss, metrics)."""
@@ -226,5 +226,6 @@ register(
         recipe={"translator.mode": "direct", "translator.heads": 8, "loss.correction_weight": 0.0},
         noise=lambda key, step, total_steps, micro_batches: jax.random.split(key, micro_batches),
         extra_loss=extra_loss,
+        teacher=True,
     )
 )
