@@ -16,14 +16,20 @@ the context, and a least-squares-started linear map per upper layer writes their
 stronger sharer can lift the small target above its own native score. `:tiny` (or `:reverse,tiny`) runs either on
 tiny random qwen2 models (`random:qwen2` -> `random:qwen2-large`, one tokenizer) in seconds.
 
+`:kvp` trains the KV-Prediction recipe instead (`kind=kv_prediction`, arXiv 2410.08391; issue 41): the 1.5B reads
+none of the context; a least-squares-started linear map per 1.5B layer writes its K/V from the 0.5B's (keys
+un-rotated), trained on the 1.5B's prompt CE plus per-layer L1 on K and V, no MSE; the dial's data, steps and rate.
+`:kvp,tiny` runs it on the tiny random pair.
+
 Time and result: not measured at this size yet (the 1.5B's float32 forward over a 256-token batch of 4 is ~3 TFLOP,
 tens of seconds on a 2-core CPU); a GPU is the intended place for it.
 """
 
 from mot_jax.errors import MotJaxError
 from mot_jax.training.config import base, dial, tiny
+from mot_jax.translate import kinds
 
-CHOICES = ("reverse", "tiny")
+CHOICES = ("reverse", "kvp", "tiny")
 SMALL, BIG = "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"
 
 
@@ -35,8 +41,12 @@ def get_config(arg=None):
     c = base()
     c.source, c.target = (BIG, SMALL) if reverse else (SMALL, BIG)
     dial(c, native_bottom=6 if reverse else 7)
+    if "kvp" in parts:  # the KV-Prediction recipe: no exact layers, the source's K/V alone, CE + per-layer L1
+        kinds.apply_recipe(c, "kv_prediction")
     if "tiny" in parts:
         families = ("qwen2-large", "qwen2") if reverse else ("qwen2", "qwen2-large")
         tiny(c, *families)
-        c.translator.native_bottom, c.translator.skip_fit_batches = 2, 2  # of the tiny target's 4 or 6 layers
+        c.translator.skip_fit_batches = 2
+        if "kvp" not in parts:
+            c.translator.native_bottom = 2  # of the tiny target's 4 or 6 layers
     return c
