@@ -39,7 +39,8 @@ def numpy_l1(translated, native, mask, first):
 
 @pytest.mark.parametrize("native_bottom", [0, 1])
 def test_the_l1_term_is_the_per_layer_mean_absolute_error_over_valid_context_tokens(native_bottom):
-    config = load_config("qwen_coder.py", "kvp,tiny", **{"translator.native_bottom": native_bottom})
+    overrides = {"translator.native_bottom": native_bottom, "translator.l1_weight": 0.5}
+    config = load_config("qwen_coder.py", "kvp,tiny", **overrides)
     assert config.translator.kind == "kv_prediction" and config.loss.correction_weight == 0
     pair = setup.load_pair(config)
     spec, tcfg = setup.translation(config, None, pair)
@@ -77,14 +78,17 @@ def test_the_l1_term_is_the_per_layer_mean_absolute_error_over_valid_context_tok
         # with every token counted, the padded slots would change it: the mask is what is read
         assert not np.isclose(numpy_l1(got, want, np.ones_like(mask), native_bottom), expected, rtol=1e-5)
     # the loss: the prompt CE plus the L1 terms at their weight; no K/V MSE (correction_weight 0)
-    extra = kv_prediction.L1_WEIGHT * (metrics["l1_k"] + metrics["l1_v"])
+    assert tcfg.l1_weight == 0.5  # its own field, through the translator config
+    extra = 0.5 * (metrics["l1_k"] + metrics["l1_v"])
     np.testing.assert_allclose(float(loss), float(metrics["ce"] + extra), rtol=1e-5)
 
 
-def test_it_refuses_replay_and_a_missing_linear_skip():
+def test_it_refuses_replay_a_missing_linear_skip_and_a_negative_weight():
     for mode, skip, why in (("replay", True, "set mode='direct'"), ("direct", False, "set linear_skip=True")):
         with pytest.raises(MotJaxError, match=f"^kind='kv_prediction' .*; {why}"):
-            kv_prediction.check(SimpleNamespace(mode=mode), SimpleNamespace(linear_skip=skip))
+            kv_prediction.check(SimpleNamespace(mode=mode), SimpleNamespace(linear_skip=skip, l1_weight=1.0))
+    with pytest.raises(MotJaxError, match="^l1_weight=-1.0 must be a finite number of at least 0"):
+        kv_prediction.check(SimpleNamespace(mode="direct"), SimpleNamespace(linear_skip=True, l1_weight=-1.0))
 
 
 @pytest.mark.slow

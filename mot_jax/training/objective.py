@@ -254,6 +254,7 @@ def context_correction(
         loss = loss + weights.distill * metrics["kl"]
     if kind.extra_loss:
         extra, terms = kind.extra_loss(
+            cfg=translator.cfg,
             translated=translated,
             target=target,
             batch=batch,

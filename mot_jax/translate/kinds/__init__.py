@@ -51,7 +51,8 @@ class Kind:
     recipe: dict = dataclasses.field(default_factory=dict)
     # training noise per micro-batch, `noise(key, step, total_steps, micro_batches)` (None: the kind has none)
     noise: Callable | None = None
-    # an extra training loss (None: the kind has none), called with keywords -> (loss, metrics): `translated(
+    # an extra training loss (None: the kind has none), called with keywords -> (loss, metrics): `cfg` the
+    # translator's config (its own fields too); `translated(
     # source_cache, alignment, noise)` rebuilds the cache; `target`, `batch`, `source_cache`, `noise`; `cache` the
     # translated cache and `native` the target's own of the context (K/V [L, B, K, T, d]), `first` the first layer
     # the translator writes; `logits` the prompt's after the translated cache and `teacher` after the native one,

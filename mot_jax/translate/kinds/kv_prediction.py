@@ -10,16 +10,16 @@ Here the auxiliary model is the source and the base model the target (small -> b
   `native_bottom`, its hidden states) to what the maps read;
 - the loss: the target's prompt CE after the translated cache plus, per written layer, the L1 distance of the
   translated K and V to the target's native ones (mean |translated - native| over the valid context tokens' elements
-  of that layer, averaged over the layers; logged as `l1_k`, `l1_v`), weight `L1_WEIGHT`; the K/V MSE is off
+  of that layer, averaged over the layers; logged as `l1_k`, `l1_v`), weight `l1_weight` (its own field,
+  `--config.translator.l1_weight`, 1 by default); the K/V MSE is off
   (`loss.correction_weight=0`: the L1 replaces it);
 - keys: with `rotary=True` (the recipe) source keys are un-rotated, mapped and re-rotated at the target's positions,
   as the reference predicts keys before the base model's RoPE.
 
 Differences: the reference also trains the auxiliary model (here the source is frozen, only the maps train); it
 predicts keys before the base model's k-norm and applies the norm after (here the maps write the cache, so for a
-target with a k-norm, Qwen3 or Gemma-3, they write post-norm keys and the L1 compares post-norm keys; Qwen2 has none);
-the L1 weight is fixed here (`Kind.extra_loss` is not handed the translator's config, so a per-run `l1_weight` field
-could not reach it; `loss.ce_weight` sets the balance between the two terms).
+target with a k-norm, Qwen3 or Gemma-3, they write post-norm keys and the L1 compares post-norm keys; Qwen2 has
+none).
 """
 
 from __future__ import annotations
@@ -29,8 +29,6 @@ import jax.numpy as jnp
 from mot_jax.errors import MotJaxError
 from mot_jax.translate.kinds import Kind, register
 from mot_jax.translate.kinds.linear import NoMixture
-
-L1_WEIGHT = 1.0  # on l1_k + l1_v, beside the prompt CE at loss.ce_weight
 
 
 def layer_l1(got, want, mask):
@@ -51,10 +49,10 @@ def l1_terms(cache, native, first, context_mask):
     return terms
 
 
-def extra_loss(*, cache, native, first, batch, **_):
-    """The per-layer L1 on K and V (`l1_terms`) at `L1_WEIGHT`; (loss, metrics)."""
+def extra_loss(*, cfg, cache, native, first, batch, **_):
+    """The per-layer L1 on K and V (`l1_terms`) at `cfg.l1_weight`; (loss, metrics)."""
     terms = l1_terms(cache, native, first, batch.context_mask)
-    return L1_WEIGHT * (terms["l1_k"] + terms["l1_v"]), terms
+    return cfg.l1_weight * (terms["l1_k"] + terms["l1_v"]), terms
 
 
 def check(spec, cfg):
@@ -64,6 +62,8 @@ def check(spec, cfg):
         )
     if not cfg.linear_skip:
         raise MotJaxError("kind='kv_prediction' is a linear map per layer (the linear skip); set linear_skip=True.")
+    if not 0 <= cfg.l1_weight < float("inf"):
+        raise MotJaxError(f"l1_weight={cfg.l1_weight!r} must be a finite number of at least 0; pass one.")
 
 
 register(
@@ -87,6 +87,7 @@ register(
             "loss.correction_weight": 0.0,
         },
         extra_loss=extra_loss,
+        fields=dict(l1_weight=1.0),  # on l1_k + l1_v, beside the prompt CE at loss.ce_weight
         no_export="torch_translator.py picks its modules by kind name and serves these linear maps as kind linear only",
     )
 )
