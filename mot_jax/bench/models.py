@@ -68,7 +68,27 @@ def load_both(name, dtype, tmp):
     ours, _ = load_model(path, dtype=dtype)
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     theirs = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).eval()
-    return ours, theirs
+    return ours, theirs.to(torch_device())
+
+
+def torch_device() -> str:
+    """Where transformers runs: on the GPU when JAX runs on one (both sides on the same chip), else the CPU."""
+    import jax
+    import torch
+
+    return "cuda" if jax.default_backend() == "gpu" and torch.cuda.is_available() else "cpu"
+
+
+def synchronized(run):
+    """`run`, then a wait for the GPU's queued work (torch launches asynchronously), so that a timer sees it all."""
+    import torch
+
+    def timed():
+        run()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    return timed
 
 
 def bench_prefill(ours, theirs, ids, runs):
@@ -80,11 +100,12 @@ def bench_prefill(ours, theirs, ids, runs):
     from mot_jax.jit import jit
 
     prefill = jit(lambda model, ids: model(ids, logits_to_keep=1)[0])
-    jids, tids = jnp.asarray(ids), torch.tensor(ids)
+    jids, tids = jnp.asarray(ids), torch.tensor(ids, device=theirs.device)
 
     def run_ours():
         jax.block_until_ready(prefill(ours, jids))
 
+    @synchronized
     def run_theirs():
         with torch.no_grad():
             theirs(tids, logits_to_keep=1, use_cache=True)
@@ -111,9 +132,11 @@ def bench_decode(ours, theirs, new_tokens, prompt, runs):
         return lambda: jax.block_until_ready(generate(ours, jnp.asarray(ids), max_new_tokens=k, eos_ids=()))
 
     def theirs_fn(k):
+        @synchronized
         def run():
             with torch.no_grad():
-                theirs.generate(torch.tensor(ids), max_new_tokens=k, min_new_tokens=k, do_sample=False)
+                prompt_ids = torch.tensor(ids, device=theirs.device)
+                theirs.generate(prompt_ids, max_new_tokens=k, min_new_tokens=k, do_sample=False)
 
         return run
 
