@@ -293,9 +293,13 @@ def test_config_is_plain_json(models):
 
 
 def test_torch_config_mirrors_the_jax_fields_and_defaults():
-    # every field a JAX translator has (the kinds' own too, `Kind.fields`), name -> default (MISSING: required)
+    # every field a JAX translator the torch side serves has (those kinds' own too, `Kind.fields`), name -> default
+    # (MISSING: required)
     jax_fields = {f.name: f.default for cls in (TranslatorConfig, TranslationSpec) for f in dataclasses.fields(cls)}
-    jax_fields = {k: v for k, v in jax_fields.items() if k != "options"} | kinds.fields()
+    exported = [kinds.get(name) for name in kinds.names() if not kinds.get(name).no_export]
+    jax_fields = {k: v for k, v in jax_fields.items() if k != "options"} | {
+        k: v for kind in exported for k, v in kind.fields.items()
+    }
     torch_fields = {f.name: f.default for f in dataclasses.fields(torch_translator.TorchTranslatorConfig)}
     assert jax_fields.keys() <= torch_fields.keys()
     # and the torch side adds the models' cache shapes, which translator_config writes beside the fields, and reads

@@ -45,7 +45,7 @@ def counted(module, name, counts=lambda *a, **k: True):
 
 
 counted(corpus, "_read_local")
-counted(data, "_build")
+counted(chunk_table, "_build")
 counted(gguf, "read_gguf")
 counted(synthetic, "examples", lambda task, n, *a, **k: n > 0)  # n=0: the options check every process makes
 
