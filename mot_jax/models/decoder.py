@@ -31,11 +31,11 @@ def rope_from_hf(d: dict, layer_type: str | None = None, theta_key="rope_theta",
     else:
         theta = d.get(theta_key, default_theta)
         scaling = dict(d.get("rope_scaling") or {}) if theta_key == "rope_theta" else {}
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind not in SUPPORTED_ROPE:
-        raise MotJaxError(f"RoPE type {kind!r} is not supported (supported: {', '.join(SUPPORTED_ROPE)}).")
-    scaling["rope_type"] = kind
-    return float(theta), (() if kind == "default" else tuple(sorted(scaling.items())))
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE:
+        raise MotJaxError(f"RoPE type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE)}).")
+    scaling["rope_type"] = rope_type
+    return float(theta), (() if rope_type == "default" else tuple(sorted(scaling.items())))
 
 
 def windows_from_layer_types(d: dict, is_sliding) -> tuple:

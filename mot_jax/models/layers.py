@@ -145,12 +145,12 @@ def activation(name):
 def rope_inv_freq(head_dim, theta, scaling=None):
     """Inverse frequencies as transformers computes them, for rope types default, linear and llama3."""
     inv = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    kind = (scaling or {}).get("rope_type", "default")
-    if kind == "default":
+    rope_type = (scaling or {}).get("rope_type", "default")
+    if rope_type == "default":
         return inv
-    if kind == "linear":
+    if rope_type == "linear":
         return inv / scaling["factor"]
-    if kind == "llama3":
+    if rope_type == "llama3":
         factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
         old_len = scaling["original_max_position_embeddings"]
         wavelen = 2 * math.pi / inv
@@ -159,7 +159,7 @@ def rope_inv_freq(head_dim, theta, scaling=None):
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         return jnp.where(medium, smoothed, scaled)
-    raise ValueError(f"unsupported rope_type {kind!r}; supported: default, linear, llama3")
+    raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, linear, llama3")
 
 
 def apply_rope(x, positions, inv_freq):
