@@ -84,7 +84,7 @@ def test_builds_and_translates_a_tiny_batch_into_the_targets_cache_from_the_sour
     capacity = batch.context.shape[1] + 4
 
     def cache_from(source_ids, source_mask):
-        read, topk = source_read(pair.source, source_ids, source_mask, spec.attention_topk, **kind.source_read)
+        read, topk = source_read(pair.source, source_ids, source_mask, spec.attention_topk, **spec.source_hands)
         args = (translator, pair.source, pair.target, read, batch.alignment, batch.context, batch.context_mask, topk)
         return translate(*args, capacity=capacity)[0]
 

@@ -15,7 +15,7 @@ from helpers import load_config, perturb, tiny_batch, whole_and_resumed
 
 from mot_jax.errors import MotJaxError
 from mot_jax.training import objective, setup
-from mot_jax.translate import align, kinds
+from mot_jax.translate import align
 from mot_jax.translate.kinds import kv_prediction
 from mot_jax.translate.translator import KVTranslator, source_read, translate
 
@@ -59,9 +59,7 @@ def test_the_l1_term_is_the_per_layer_mean_absolute_error_over_valid_context_tok
     batch = jax.tree.map(jnp.asarray, batch)
     weights = objective.LossWeights.from_config(config.loss)
 
-    frozen = objective.frozen_forwards(
-        pair.source, pair.target, batch, spec.attention_topk, **kinds.get("kv_prediction").source_read
-    )
+    frozen = objective.frozen_forwards(pair.source, pair.target, batch, spec.attention_topk, **spec.source_hands)
     loss, metrics = objective.context_correction(translator, pair.source, pair.target, batch, frozen, weights)
 
     # the caches again, outside the objective: the translation, and the target's own prefill of the context

@@ -56,7 +56,7 @@ def planned_bytes(models, method, contexts, suffix_ids, suffix_mask, settings: S
         tokenizers = (models.source_tokenizer, models.target_tokenizer)
         read = read_source(spec, models.source, *tokenizers, contexts.ids, contexts.mask)
         if read.cache is not None:
-            flags = dict(topk=spec.attention_topk, layer_inputs=spec.layer_inputs, last_hidden=spec.last_hidden)
+            flags = dict(topk=spec.attention_topk, **spec.source_hands)
             programs.append(source_prefill.lower(models.source, read.ids, read.mask, **flags))
         programs.append(translate_jit.lower(*method.translation_args(models, contexts, read), capacity=capacity))
     elif isinstance(method, Native):

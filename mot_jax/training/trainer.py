@@ -49,6 +49,7 @@ class Trainer:
         rng = jax.random.key_data(jax.random.key(config.seed))
         self.state = dict(params=params, opt_state=jax.jit(self.tx.init)(params), rng=rng)
         self.topk, self.reads_source = spec.attention_topk, spec.reads_source
+        self.source_hands = spec.source_hands  # what the source hands over: K/V, layer inputs or last hidden states
         self.kind, self.total_steps = kinds.get(tcfg.kind), total_steps
         self.compute_dtype = resolve_dtype(config.dtype)
         self.weights = objective.LossWeights.from_config(config.loss)
@@ -74,8 +75,7 @@ class Trainer:
         if batch.features is not None:  # the feature cache: the frozen forwards' outputs, read from disk
             frozen, side = batch.features.unpack()
         else:
-            hands = self.kind.source_read  # what the source hands over: K/V, layer inputs or last hidden states
-            frozen = objective.frozen_forwards(source, target, batch, self.topk, reads, **hands)
+            frozen = objective.frozen_forwards(source, target, batch, self.topk, reads, **self.source_hands)
 
         def loss_fn(p):
             translator, _, _ = self._models(p, llm_states)

@@ -78,7 +78,7 @@ def read_source(
     if bucket:
         length = -(-source_ids.shape[1] // bucket) * bucket
         source_ids, source_mask, alignment = alignment_lib.pad_source(source_ids, source_mask, alignment, length)
-    flags = dict(topk=spec.attention_topk, layer_inputs=spec.layer_inputs, last_hidden=spec.last_hidden)
+    flags = dict(topk=spec.attention_topk, **spec.source_hands)
     cache, topk = source_prefill(source, source_ids, source_mask, **flags)
     return SourceRead(source_ids, source_mask, alignment, cache, topk)
 

@@ -52,6 +52,12 @@ class TranslationSpec:
         return self.outputs == "embeddings"
 
     @property
+    def source_hands(self) -> dict:
+        """What the source hands over, as `source_read`'s flags: its K/V (both off), its layers' input residual
+        streams or its last hidden states."""
+        return dict(layer_inputs=self.layer_inputs, last_hidden=self.last_hidden)
+
+    @property
     def attention_topk(self) -> int:
         """Keys per query the replay takes from the source's attention; 0 when the target attends densely."""
         return self.k_attn if self.mode == "replay" and self.sparse_attention else 0

@@ -61,12 +61,6 @@ class Kind:
     teacher: bool = False  # its extra loss reads the prompt's logits after the translated and the native caches
     no_export: str = ""  # why the PyTorch export does not serve it ("": it does; `torch_translator.EXPORTED_KINDS`)
 
-    @property
-    def source_read(self) -> dict:
-        """What the source hands over (`translator.source_read`'s flags): its K/V, or its layer inputs, or its last
-        hidden states."""
-        return dict(layer_inputs=self.outputs == "residual", last_hidden=self.outputs == "embeddings")
-
     def name_of(self, t) -> str:
         return self.label(t) if self.label else self.name
 
