@@ -27,8 +27,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from mot_jax.errors import MotJaxError
-from mot_jax.translate.kinds import Kind, register
-from mot_jax.translate.kinds.linear import NoMixture
+from mot_jax.translate.kinds import Kind, linear, register
 
 
 def layer_l1(got, want, mask):
@@ -70,9 +69,7 @@ register(
     Kind(
         name="kv_prediction",
         label=lambda t: f"KV Prediction ({t.mode})",
-        build=lambda spec, cfg, rngs, dtype: {
-            part: NoMixture(cfg, rngs=rngs, dtype=dtype) for part in ("key", "value")
-        },
+        build=linear.build,  # the linear kind's modules: the least-squares-started maps are the translation
         check=check,
         # the reference: the base model never reads the context; linear maps from the aux K/V (keys before RoPE),
         # trained on the base model's CE plus per-layer L1 on K and V, no MSE

@@ -25,13 +25,16 @@ def check(spec, cfg):
         raise MotJaxError("kind='linear' is the linear skip alone; set linear_skip=True.")
 
 
+def build(spec, cfg, rngs, dtype):
+    """A `NoMixture` for K and one for V: the linear skips beside them are the translation."""
+    return {part: NoMixture(cfg, rngs=rngs, dtype=dtype) for part in ("key", "value")}
+
+
 register(
     Kind(
         name="linear",
         label=lambda t: f"linear translator ({t.mode})",
-        build=lambda spec, cfg, rngs, dtype: {
-            part: NoMixture(cfg, rngs=rngs, dtype=dtype) for part in ("key", "value")
-        },
+        build=build,
         check=check,
         recipe={"translator.linear_skip": True},
     )
