@@ -25,7 +25,7 @@ from flax import nnx
 from mot_jax.evals.config import defaults
 from mot_jax.models import gguf as mgguf
 from mot_jax.models import tiny
-from mot_jax.models.base import decode_step
+from mot_jax.models.base import ModelConfig, decode_step
 from mot_jax.models.registry import hf_state_dict
 from mot_jax.training import config as config_lib
 from mot_jax.training import loop
@@ -111,6 +111,23 @@ def run_cli(workdir, *flags, kill_at_step=None):
         )
     command = [sys.executable, "-c", script, *TINY_FLAGS, f"--workdir={workdir}", *flags]
     return subprocess.run(command, cwd=ROOT, env=one_device_command_env(), capture_output=True, text=True, timeout=600)
+
+
+# the closed-form FLOP counts' hand-checked model (tests/test_bench.py, tests/test_bench_eval.py): per token and layer
+# q 8x8, k and v 8x4, o 8x8, gate/up/down 8x16
+TINY_MODEL_CONFIG = ModelConfig(
+    family="llama",
+    vocab_size=32,
+    hidden_size=8,
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=4,
+    intermediate_size=16,
+    max_positions=64,
+    norm_eps=1e-6,
+    activation="silu",
+)
 
 
 # --- Training: hand-built batches, trainers, interrupted runs ---------------------------------------------------------

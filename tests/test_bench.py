@@ -5,13 +5,12 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from helpers import ROOT, TINY_MODEL_CONFIG
 
 from mot_jax.bench import common, page, train, ttft
 
-ROOT = Path(__file__).resolve().parents[1]
 SECTIONS = (
     "## Model prefill and decode: mot_jax against transformers",
     "### Random-init shapes",
@@ -186,21 +185,8 @@ def test_models_table_reports_gflops_against_the_matmul_rate():
     """`bench models`' prefill table: each side's GFLOP/s (closed-form FLOPs over its time) and share of the matmul
     rate in the row's dtype; the FLOPs by hand on a tiny config."""
     from mot_jax.bench import flops, models
-    from mot_jax.models.base import ModelConfig
 
-    cfg = ModelConfig(
-        family="llama",
-        vocab_size=32,
-        hidden_size=8,
-        num_layers=2,
-        num_heads=2,
-        num_kv_heads=1,
-        head_dim=4,
-        intermediate_size=16,
-        max_positions=64,
-        norm_eps=1e-6,
-        activation="silu",
-    )
+    cfg = TINY_MODEL_CONFIG
     # 3 tokens: per token and layer q 8x8, k and v 8x4, o 8x8, gate/up/down 8x16 (2 x 576 multiply-adds); causal
     # attention over 1 + 2 + 3 keys, QK and PV, 2 heads of 4; the last position's logits 8 x 32
     one = 2 * 3 * 2 * (64 + 64 + 64 + 384) + 2 * 4 * 2 * 4 * (1 + 2 + 3) + 2 * 8 * 32

@@ -2,23 +2,11 @@
 config and against the matmuls the models really trace, and the work of a batch of the evaluation."""
 
 import pytest
+from helpers import TINY_MODEL_CONFIG as TINY
 
-from mot_jax.bench.evalrate import Work, attended, batch_flops, forward_flops, linear_flops
+from mot_jax.bench.evalrate import Work, batch_flops
+from mot_jax.bench.flops import attended, forward_flops, linear_flops
 from mot_jax.models.base import ModelConfig
-
-TINY = ModelConfig(
-    family="llama",
-    vocab_size=32,
-    hidden_size=8,
-    num_layers=2,
-    num_heads=2,
-    num_kv_heads=1,
-    head_dim=4,
-    intermediate_size=16,
-    max_positions=64,
-    norm_eps=1e-6,
-    activation="silu",
-)
 
 
 def test_forward_flops_of_a_tiny_model_in_closed_form():

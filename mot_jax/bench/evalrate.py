@@ -19,10 +19,7 @@ import time
 import types
 
 from mot_jax.bench.common import Plan, Section, Table, log
-from mot_jax.bench.flops import attended, forward_flops, linear_flops, matmul_rate, rate_size
-
-# the closed form lived here first: its tests import it from this module
-__all__ = ["Work", "attended", "batch_flops", "bench_eval", "forward_flops", "linear_flops", "matmul_rate"]
+from mot_jax.bench.flops import forward_flops, matmul_rate, rate_size
 
 
 @dataclasses.dataclass
