@@ -29,6 +29,7 @@ from mot_jax.evals.prompts import (
     decode_answers,
     donor_indices,
     is_closed,
+    line_flags,
     prefix_text,
     suffix_text,
     target_chat,
@@ -36,7 +37,7 @@ from mot_jax.evals.prompts import (
 )
 from mot_jax.evals.tasks import add_paired_controls, evaluate_agents, evaluate_examples
 from mot_jax.jit import jit
-from mot_jax.models.base import generate
+from mot_jax.models.base import LINE_BREAK, LINE_TEXT, generate
 from mot_jax.progress import Progress
 from mot_jax.training.config import base, tiny
 from mot_jax.training.setup import load_pair
@@ -66,6 +67,23 @@ def log_probs(model, ids):
     return jax.nn.log_softmax(model(ids)[0][0], axis=-1)
 
 
+def assert_answer_kept(generation: str, reference: str) -> None:
+    """The evaluation's generation stops at the end of the answer's line (`prompts.line_flags`): it is how the
+    uninterrupted generation begins, with the same answer."""
+    assert reference.startswith(generation), (generation, reference)
+    assert metrics.first_line(generation) == metrics.first_line(reference)
+
+
+def test_line_flags_mark_each_tokens_breaks_and_text(pair):
+    """From each token's own text: a word is text, a line break is a break without text, an id past the tokenizer's
+    is neither."""
+    tokenizer = pair.target_tokenizer
+    size = alignment_lib.adapter(tokenizer).backend.get_vocab_size(with_added_tokens=True)
+    flags = line_flags(tokenizer, size + 2)
+    (word,), (line_break,) = (token_ids(tokenizer, [text], False)[0] for text in ("the", "\n"))
+    assert (flags[word], flags[line_break], *flags[size:]) == (LINE_TEXT, LINE_BREAK, 0, 0)
+
+
 # a chat format whose markers the tiny tokenizers read as plain text (their vocabularies have no chat tokens)
 TURNS = ("<user>\n", "</user>\n<assistant>\n")
 
@@ -91,7 +109,7 @@ def test_native_answers_equal_the_target_reading_the_whole_prompt(pair, chat):
             prefix = prefix[: 512 - len(suffix) - SETTINGS.max_new_tokens]  # what fits the tiny model's 512 positions
             ids = jnp.asarray([prefix + suffix], jnp.int32)
             out = generate(pair.target, ids, max_new_tokens=SETTINGS.max_new_tokens)
-            assert prediction["generation"] == decode_answers(pair.target_tokenizer, out, eos)[0]
+            assert_answer_kept(prediction["generation"], decode_answers(pair.target_tokenizer, out, eos)[0])
             gold = example["answers"] if "answers" in example else [example["answer"]]
             assert (prediction["question"], prediction["gold"]) == (example["question"], gold)
             if closed:  # the likelihood choice from full forwards over prompt (without the options) + " choice"
@@ -125,7 +143,7 @@ def test_gold_log_probability_and_the_source_alone_equal_full_forwards(pair):
             expected = np.mean([logp[start - 1 + j, t] for j, t in enumerate(answer)])
             assert prediction["logprob"] == pytest.approx(expected, abs=1e-4), name
             out = generate(model, jnp.asarray([prefix + suffix], jnp.int32), max_new_tokens=SETTINGS.max_new_tokens)
-            assert prediction["generation"] == decode_answers(tokenizer, out, model.config.eos_ids)[0], name
+            assert_answer_kept(prediction["generation"], decode_answers(tokenizer, out, model.config.eos_ids)[0])
     assert results["native"]["logprob"] == pytest.approx(
         np.mean([p["logprob"] for p in results["native"]["predictions"]])
     )
@@ -436,10 +454,12 @@ def test_shuffled_source_row_is_the_translation_of_another_examples_source(pair)
     assert checked == 3
 
 
-def test_a_swapped_band_takes_those_layers_from_the_donors_native_cache(pair):
+def test_a_swapped_band_takes_those_layers_from_the_donors_native_cache(pair, monkeypatch):
     """Layers [lo, hi) of the band row's cache are the donor's (the next example's) own native prefill, the others
     this row's: checked against the two prefills run on their own, the prefixes cut to one length (carry is then
-    the identity); the bands are the target's quarters; a bad diagnose is refused in one line."""
+    the identity); the bands are the target's quarters; a batch's native row and all its bands run two prefills
+    (the rows', the donors'); a bad diagnose is refused in one line."""
+    from mot_jax.evals import methods
     from mot_jax.evals.methods import SwappedBand, bands
     from mot_jax.models.base import prefill
 
@@ -454,6 +474,12 @@ def test_a_swapped_band_takes_those_layers_from_the_donors_native_cache(pair):
     np.testing.assert_allclose(cache.k[1:, :, :, :120], donor.k[1:, :, :, :120], atol=1e-6)
     np.testing.assert_allclose(cache.v[1:, :, :, :120], donor.v[1:, :, :, :120], atol=1e-6)
     assert [(b.lo, b.hi) for b in bands(8)] == [(0, 2), (2, 4), (4, 6), (6, 8)] and bands(8)[0].needs_donors
+    calls = []
+    monkeypatch.setattr(methods, "prefill", lambda *a, **k: calls.append(a[1]) or prefill(*a, **k))
+    contexts, _, _ = next(batches(pair, examples, Settings(batch_size=2, budget=120), donors=True))
+    for method in [Native(), *bands(layers)]:
+        method.build(pair, contexts, contexts.length, Stopwatch())
+    assert [ids is contexts.ids for ids in calls] == [True, False]
     assert bands(2)[0].name == "native, layers 0-0 from another example" and len(bands(2)) == 2
     with pytest.raises(MotJaxError, match="diagnose='layers' is not a diagnostic; pass bands, or nothing"):
         run.evaluate("/nonexistent", small_config(diagnose="layers"))

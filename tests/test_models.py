@@ -1,12 +1,23 @@
 """Every family against transformers (PyTorch) on tiny random checkpoints: logits, every layer's K/V, decoding."""
 
+from types import SimpleNamespace
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 from hf_reference import CONFIGS, padded_batch, run_reference, save_tiny
 
-from mot_jax.models.base import decode_step, generate, prefill
+from mot_jax.models.base import (
+    LINE_BREAK,
+    LINE_TEXT,
+    TEXT_BEFORE_BREAK,
+    decode_step,
+    generate,
+    greedy_continue,
+    prefill,
+)
 from mot_jax.models.loading import load_model
 from mot_jax.models.registry import hf_state_dict
 
@@ -82,13 +93,14 @@ def test_greedy_generation_matches_transformers(pair):
             pad_token_id=0,
         )
     np.testing.assert_array_equal(ours, theirs[:, ids.shape[1] :].numpy())
-    # Stopping: with an end token, each row follows the same tokens up to it and then repeats it.
-    stop = int(ours[0, 2])
-    stopped = np.asarray(generate(model, jnp.asarray(ids), max_new_tokens=8, eos_ids=(stop,)))
-    for row, full in zip(stopped, ours):
-        end = list(full).index(stop) + 1 if stop in full else len(full)
-        np.testing.assert_array_equal(row[:end], full[:end])
-        assert (row[end:] == stop).all()
+    # Stopping: with end tokens, each row follows the same tokens up to its first and then repeats it; one row
+    # stopping, then every row stopping (the loop ends early) at different steps.
+    for stops in [(int(ours[0, 2]),), (int(ours[0, 2]), int(ours[1, 4]))]:
+        stopped = np.asarray(generate(model, jnp.asarray(ids), max_new_tokens=8, eos_ids=stops))
+        for row, full in zip(stopped, ours):
+            end = next((i + 1 for i, t in enumerate(full) if t in stops), len(full))
+            np.testing.assert_array_equal(row[:end], full[:end])
+            assert (row[end:] == full[end - 1]).all()
 
 
 def test_prefill_then_decode_steps_equal_generate(pair):
@@ -102,6 +114,34 @@ def test_prefill_then_decode_steps_equal_generate(pair):
         logits, cache = decode_step(model, tokens[-1], cache)
         tokens.append(jnp.argmax(logits, -1))
     np.testing.assert_array_equal(np.stack(tokens, 1), want)
+
+
+class NextToken:
+    """A stand-in decoder whose greedy next token is the current one plus one, so every step's token is known."""
+
+    config = SimpleNamespace(eos_ids=())
+
+    def __call__(self, tokens, cache):
+        return jax.nn.one_hot(tokens + 1, 64), cache
+
+
+def test_decoding_ends_each_row_at_the_end_of_its_first_line_of_text():
+    """Rows from tokens 10, 30, 50, 40 count up; flags make 10 a blank line (not an end: no text yet), 13 a break
+    after text, 32 a break then text after 30's text, 50 text then a break, and 42 the end token: each row ends
+    there and then emits 42; without the flags only the end token ends a row."""
+    flags = np.zeros(64, np.int32)
+    flags[[10, 13]] = LINE_BREAK
+    flags[[11, 12, 30]] = LINE_TEXT
+    flags[32] = LINE_BREAK | LINE_TEXT
+    flags[50] = LINE_TEXT | LINE_BREAK | TEXT_BEFORE_BREAK
+    logits = jax.nn.one_hot(jnp.array([10, 30, 50, 40]), 64)
+    decode = lambda lines: np.asarray(greedy_continue(NextToken(), logits, None, 8, (42,), lines))
+    np.testing.assert_array_equal(
+        decode(jnp.asarray(flags)),
+        [[10, 11, 12, 13, 42, 42, 42, 42], [30, 31, 32, 42, 42, 42, 42, 42], [50] + [42] * 7, [40, 41] + [42] * 6],
+    )
+    counting = [list(range(start, start + 8)) for start in (10, 30, 50)]
+    np.testing.assert_array_equal(decode(None), [*counting, [40, 41] + [42] * 6])
 
 
 def test_mapping_table_round_trips_the_checkpoint(pair):

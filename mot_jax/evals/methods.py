@@ -104,11 +104,21 @@ class NoContext(Method):
         return cache, np.zeros(len(texts), np.int64)
 
 
+def native_cache(models, contexts: Contexts, capacity: int | None = None, reuse: bool = True):
+    """The target's prefill of the batch's contexts, kept on the batch (`Contexts.shared`) for the rows that reuse it
+    (the band diagnostic's; `reuse=False` computes it anew, as the native row does to time it)."""
+    key = ("native", id(models.target), capacity)
+    if reuse and key in contexts.shared:
+        return contexts.shared[key]
+    contexts.shared[key] = prefill(models.target, contexts.ids, contexts.mask, capacity=capacity)[1]
+    return contexts.shared[key]
+
+
 class Native(Method):
     name = "native"
 
     def build(self, models, contexts, capacity, watch):
-        cache = watch.lap("prefill", prefill(models.target, contexts.ids, contexts.mask, capacity=capacity)[1])
+        cache = watch.lap("prefill", native_cache(models, contexts, capacity, reuse=False))
         return cache, np.array([len(p.encode()) for p in contexts.passages])
 
 
@@ -243,7 +253,7 @@ class ShuffledSource(Method):
         return cache, self.method.handed(models, read.mask)
 
 
-class SwappedBand(Native):
+class SwappedBand(Method):
     """The layer-band diagnostic (`--config.diagnose=bands`): native context whose K/V in target layers [lo, hi) are
     another example's (its shuffled-source donor's native K/V, carried onto this row's grid by position as `carry`
     does; keys keep the donor's rotary positions, off by at most the two lengths' difference). Its drop from native
@@ -255,10 +265,11 @@ class SwappedBand(Native):
         self.lo, self.hi, self.name = lo, hi, f"native, layers {lo}-{hi - 1} from another example"
 
     def build(self, models, contexts, capacity, watch):
-        cache, handed = super().build(models, contexts, capacity, watch)
-        donor = prefill(models.target, contexts.donors.ids, contexts.donors.mask)[1]
+        cache = native_cache(models, contexts, capacity)  # the native row's, and the donors' once for every band
+        donor = native_cache(models, contexts.donors)
         carried = carry(contexts.donors.mask, contexts.mask)
-        return swap_band(cache, donor, carried, contexts.mask, lo=self.lo, hi=self.hi), handed
+        swapped = watch.lap("swap", swap_band(cache, donor, carried, contexts.mask, lo=self.lo, hi=self.hi))
+        return swapped, np.array([len(p.encode()) for p in contexts.passages])
 
 
 @jit(static_argnames=("lo", "hi"))

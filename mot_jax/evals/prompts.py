@@ -12,6 +12,7 @@ methods that build the cache: `methods`.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +20,7 @@ import numpy as np
 
 from mot_jax.errors import MotJaxError
 from mot_jax.jit import jit
-from mot_jax.models.base import last_valid_index
+from mot_jax.models.base import LINE_BREAK, LINE_TEXT, TEXT_BEFORE_BREAK, last_valid_index
 from mot_jax.translate import align as alignment_lib
 from mot_jax.translate.donors import donor_indices
 
@@ -116,6 +117,23 @@ def decode_answers(tokenizer, tokens, eos_ids) -> list[str]:
     return backend.decode_batch(rows, skip_special_tokens=True)
 
 
+def line_flags(tokenizer, vocab_size: int) -> np.ndarray:
+    """[vocab_size] int32 bit flags per token id, as `greedy_continue`'s `lines` reads them (`LINE_TEXT`,
+    `LINE_BREAK`, `TEXT_BEFORE_BREAK`), from each token's text alone; 0 for special tokens and ids past the
+    tokenizer's. Decoding then stops at a line break only after non-blank text, where `metrics.first_line` cuts or
+    later, so the scored answers are unchanged."""
+    backend = alignment_lib.adapter(tokenizer).backend
+    known = min(vocab_size, backend.get_vocab_size(with_added_tokens=True))
+    flags = np.zeros(vocab_size, np.int32)
+    for i, text in enumerate(backend.decode_batch([[i] for i in range(known)], skip_special_tokens=True)):
+        text = text.replace("\ufffd", "")  # part of a character's bytes: not known to be text, so stop later
+        head, *rest = re.split(r"[\r\n]", text, maxsplit=1)
+        flags[i] = (
+            LINE_TEXT * bool(text.strip()) + LINE_BREAK * bool(rest) + TEXT_BEFORE_BREAK * bool(rest and head.strip())
+        )
+    return flags
+
+
 @jit
 def choice_logprob(target, cache, suffix_ids, suffix_mask, choice_ids, choice_mask):
     """Mean log-probability per token [B] of each row's choice tokens read after the context cache and the suffix."""
@@ -139,6 +157,7 @@ class Contexts:
     passages: list[str]  # the passage text each row's prefix holds (after truncation to the budget)
     donors: Contexts | None = None  # row by row, another example's contexts (with another passage): ShuffledSource
     chat: tuple | None = None  # the chat turns the prompts are in (`Settings.chat`)
+    shared: dict = dataclasses.field(default_factory=dict)  # results several rows reuse (`methods.native_cache`)
 
     @property
     def length(self) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
 import numpy as np
 
 from mot_jax.evals import metrics
@@ -29,6 +30,7 @@ from mot_jax.evals.prompts import (
     choice_logprob,
     decode_answers,
     is_closed,
+    line_flags,
     padded,
     suffix_text,
     token_ids,
@@ -91,6 +93,7 @@ def answer_examples(models, methods, examples, settings: Settings, progress=None
     `progress(answers so far)` after each method's batch."""
     closed = is_closed(examples)
     eos = tuple(models.target.config.eos_ids)
+    lines = jnp.asarray(line_flags(models.target_tokenizer, models.target.config.vocab_size))
     rows = {m.name: dict(predictions=[], timed=[], handed=[]) for m in methods}
     for contexts, suffix_ids, suffix_mask in batches(models, examples, settings, donors=wants_donors(methods)):
         tokenizer = models.target_tokenizer
@@ -105,7 +108,13 @@ def answer_examples(models, methods, examples, settings: Settings, progress=None
             out = watch.lap(
                 "answer",
                 generate_from_cache(
-                    models.target, cache, suffix_ids, suffix_mask, max_new_tokens=settings.max_new_tokens, eos_ids=eos
+                    models.target,
+                    cache,
+                    suffix_ids,
+                    suffix_mask,
+                    max_new_tokens=settings.max_new_tokens,
+                    eos_ids=eos,
+                    lines=lines,
                 ),
             )
             texts = decode_answers(tokenizer, out, eos)
@@ -271,6 +280,7 @@ def evaluate_agents(models, methods, documents, settings: Settings, progress=Non
     agents = min(len(d["questions"]) for d in documents)
     examples = [dict(context=d["context"], question=d["questions"][0]) for d in documents]
     eos = tuple(models.target.config.eos_ids)
+    lines = jnp.asarray(line_flags(models.target_tokenizer, models.target.config.vocab_size))
     scores, predictions = {m.name: [] for m in methods}, {m.name: [] for m in methods}
     per_agent = [[d["questions"][k] for d in documents] for k in range(agents)]
     donors = wants_donors(methods)
@@ -282,7 +292,13 @@ def evaluate_agents(models, methods, documents, settings: Settings, progress=Non
             cache, _ = method.build(models, contexts, capacity, Stopwatch())
             for k, (suffix_ids, suffix_mask) in enumerate(suffixes):  # every agent reuses the one cache
                 out = generate_from_cache(
-                    models.target, cache, suffix_ids, suffix_mask, max_new_tokens=settings.max_new_tokens, eos_ids=eos
+                    models.target,
+                    cache,
+                    suffix_ids,
+                    suffix_mask,
+                    max_new_tokens=settings.max_new_tokens,
+                    eos_ids=eos,
+                    lines=lines,
                 )
                 docs = documents[index * settings.batch_size :][: len(contexts.examples)]
                 texts = decode_answers(models.target_tokenizer, out, eos)

@@ -341,26 +341,51 @@ def decode_step(model, tokens, cache):
     return logits[:, -1], cache
 
 
-def greedy_continue(model, logits, cache, max_new_tokens, eos_ids=None):
+LINE_TEXT, LINE_BREAK, TEXT_BEFORE_BREAK = 1, 2, 4  # bit flags per token id of `greedy_continue`'s `lines`
+
+
+def greedy_continue(model, logits, cache, max_new_tokens, eos_ids=None, lines=None):
     """Greedy decoding from the logits of each row's last token and the cache holding its prompt: [B, n] ids.
 
     After a row emits an end-of-sequence token (`eos_ids`, a tuple, default the config's; `()` never stops) it
-    repeats that token. Traced: call it inside a jitted function.
+    repeats that token. With `lines` ([V] bit flags per token id: `LINE_TEXT` it holds non-blank text, `LINE_BREAK`
+    a line break, `TEXT_BEFORE_BREAK` text before its first break), a row also ends after the token that ends its
+    first line of text (a break after non-blank text: where answers are cut) and then emits the first end token.
+    The loop stops once every row has ended, so a batch of short answers costs only their steps.
+    Traced: call it inside a jitted function.
     """
+    eos_ids = model.config.eos_ids if eos_ids is None else eos_ids
+    if lines is not None and not eos_ids:
+        raise MotJaxError("Ending rows at a line break needs an end-of-sequence id to emit after it; pass eos_ids.")
+    eos = jnp.asarray(eos_ids or (-1,), jnp.int32)
     first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    eos = jnp.asarray((model.config.eos_ids if eos_ids is None else eos_ids) or (-1,), jnp.int32)
+    out = jnp.zeros((first.shape[0], max_new_tokens), jnp.int32).at[:, 0].set(first)
 
-    def step(carry, _):
-        token, done, cache = carry
+    def ended(token, started):
+        """(whether a row has ended at `token`, whether its text has started, `token` included)."""
+        if lines is None:
+            return jnp.isin(token, eos), started
+        flags = lines[token]
+        line_ends = (flags & LINE_BREAK > 0) & (started | (flags & TEXT_BEFORE_BREAK > 0))
+        return jnp.isin(token, eos) | line_ends, started | (flags & LINE_TEXT > 0)
+
+    def filler(token):  # what an ended row emits: its end token again, or the first end token after a line break
+        return jnp.where(jnp.isin(token, eos), token, eos[0])
+
+    def running(carry):
+        i, token, started, _, _ = carry
+        return (i < max_new_tokens) & ~jnp.all(ended(token, started)[0])
+
+    def step(carry):
+        i, token, started, cache, out = carry
+        done, started = ended(token, started)
         logits, cache = model(token[:, None], cache=cache)
-        new = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)
-        done = done | jnp.isin(token, eos)
-        new = jnp.where(done, token, new)
-        return (new, done, cache), new
+        new = jnp.where(done, filler(token), jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32))
+        return i + 1, new, started, cache, jax.lax.dynamic_update_slice(out, new[:, None], (0, i))
 
-    done = jnp.zeros(first.shape, bool)
-    _, rest = jax.lax.scan(step, (first, done, cache), None, length=max_new_tokens - 1)
-    return jnp.concatenate([first[:, None], rest.T], axis=1)
+    started = jnp.zeros(first.shape, bool)
+    i, last, _, _, out = jax.lax.while_loop(running, step, (jnp.int32(1), first, started, cache, out))
+    return jnp.where(jnp.arange(max_new_tokens) < i, out, filler(last)[:, None])
 
 
 @jit(static_argnames=("max_new_tokens", "eos_ids"))
@@ -373,11 +398,11 @@ def generate(model, input_ids, attention_mask=None, *, max_new_tokens, eos_ids=N
     return greedy_continue(model, logits, cache, max_new_tokens, eos_ids)
 
 
-def generate_from_cache(model, cache, input_ids, attention_mask=None, *, max_new_tokens, eos_ids=None):
+def generate_from_cache(model, cache, input_ids, attention_mask=None, *, max_new_tokens, eos_ids=None, lines=None):
     """Greedy decoding after a cache that already holds a context (e.g. a translated one): the model reads
     `input_ids` [B, T] (a question; padding per `attention_mask`) after it, then decodes. The cache needs room for
     them and the answer (capacity >= its tokens + T + max_new_tokens). Returns [B, max_new_tokens] token ids (see
-    `greedy_continue` for the end-of-sequence rule)."""
+    `greedy_continue` for the end-of-sequence rule and `lines`, which ends rows at their first line's end)."""
     if not isinstance(cache.index, jax.core.Tracer):  # a cache without room would overwrite its last slots silently
         needed = int(cache.index) + input_ids.shape[1] + max_new_tokens
         if needed > cache.capacity:
@@ -386,14 +411,14 @@ def generate_from_cache(model, cache, input_ids, attention_mask=None, *, max_new
                 f"{max_new_tokens} new tokens need {needed}; build it with capacity >= {needed}."
             )
     return generate_from_cache_jit(
-        model, cache, input_ids, attention_mask, max_new_tokens=max_new_tokens, eos_ids=eos_ids
+        model, cache, input_ids, attention_mask, max_new_tokens=max_new_tokens, eos_ids=eos_ids, lines=lines
     )
 
 
 @jit(static_argnames=("max_new_tokens", "eos_ids"))
-def generate_from_cache_jit(model, cache, input_ids, attention_mask=None, *, max_new_tokens, eos_ids=None):
+def generate_from_cache_jit(model, cache, input_ids, attention_mask=None, *, max_new_tokens, eos_ids=None, lines=None):
     """`generate_from_cache` as one program, without its room check (for timing and lowering)."""
     mask = jnp.ones(input_ids.shape, bool) if attention_mask is None else attention_mask
     hidden, cache = model.hidden_states(input_ids, mask, cache=cache)
     logits = model.unembed(hidden[jnp.arange(hidden.shape[0]), last_valid_index(mask)])
-    return greedy_continue(model, logits, cache, max_new_tokens, eos_ids)
+    return greedy_continue(model, logits, cache, max_new_tokens, eos_ids, lines)
