@@ -15,9 +15,11 @@ from mot_jax.models.base import (
     TEXT_BEFORE_BREAK,
     decode_step,
     generate,
+    generate_from_cache,
     greedy_continue,
     prefill,
 )
+from mot_jax.models.cache import stack_rows
 from mot_jax.models.loading import load_model
 from mot_jax.models.registry import hf_state_dict
 
@@ -142,6 +144,25 @@ def test_decoding_ends_each_row_at_the_end_of_its_first_line_of_text():
     )
     counting = [list(range(start, start + 8)) for start in (10, 30, 50)]
     np.testing.assert_array_equal(decode(None), [*counting, [40, 41] + [42] * 6])
+
+
+def test_caches_of_different_lengths_decode_as_one_batch_as_they_do_apart(pair):
+    """`stack_rows`: a padded 11-token context and a 4-token one, in caches of other capacities (one with a layer
+    hiding a slot), read one question and decode together to the tokens each gives on its own."""
+    _, model, _ = pair
+    rng = np.random.default_rng(6)
+    ids, mask = padded_batch(model.config.vocab_size, seed=7)
+    _, long = prefill(model, jnp.asarray(ids), jnp.asarray(mask), capacity=ids.shape[1] + 12)
+    _, short = prefill(model, jnp.asarray(ids[:, :4]), capacity=20)
+    hidden = np.zeros((model.config.num_layers, *short.valid.shape), bool)
+    hidden[0, :, 1] = True
+    short = short.replace(hidden=jnp.asarray(hidden))
+    question = jnp.asarray(rng.integers(3, model.config.vocab_size, size=(ids.shape[0], 3)))
+    apart = [generate_from_cache(model, c, question, max_new_tokens=5, eos_ids=()) for c in (long, short)]
+    together = generate_from_cache(
+        model, stack_rows([long, short]), jnp.tile(question, (2, 1)), max_new_tokens=5, eos_ids=()
+    )
+    np.testing.assert_array_equal(np.asarray(together), np.concatenate(apart))
 
 
 def test_mapping_table_round_trips_the_checkpoint(pair):

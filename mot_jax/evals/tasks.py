@@ -36,6 +36,7 @@ from mot_jax.evals.prompts import (
     token_ids,
 )
 from mot_jax.models.base import generate_from_cache
+from mot_jax.models.cache import stack_rows
 
 
 @dataclasses.dataclass
@@ -90,7 +91,9 @@ def evaluate_examples(models, methods, examples, settings: Settings, progress=No
 def answer_examples(models, methods, examples, settings: Settings, progress=None, record=None) -> dict:
     """Every method's raw rows (predictions, timings, bytes handed over) on the examples, answered by
     `models.target`; open-answer predictions carry the gold answer's mean log-probability per token (`logprob`).
-    `progress(answers so far)` after each method's batch."""
+    Each batch's caches, one per method, read the question and decode as one batch (`stack_rows`): decoding a
+    step costs about the same for many rows as for few, and each method is timed for its own cache and a share of
+    that answer stage. `progress(answers so far)` after each batch."""
     closed = is_closed(examples)
     eos = tuple(models.target.config.eos_ids)
     lines = jnp.asarray(line_flags(models.target_tokenizer, models.target.config.vocab_size))
@@ -101,29 +104,35 @@ def answer_examples(models, methods, examples, settings: Settings, progress=None
         gold = None if closed else gold_tokens(tokenizer, contexts.examples, contexts.chat)
         scored = options.length if closed else suffix_ids.shape[1] + gold[0].shape[1]
         capacity = contexts.length + max(suffix_ids.shape[1] + settings.max_new_tokens, scored)
-        start = len(rows[methods[0].name]["predictions"])
+        start, size = len(rows[methods[0].name]["predictions"]), len(contexts.examples)
+        built = []
         for method in methods:
             watch = Stopwatch()
-            cache, handed = method.build(models, contexts, capacity, watch)
-            out = watch.lap(
-                "answer",
-                generate_from_cache(
-                    models.target,
-                    cache,
-                    suffix_ids,
-                    suffix_mask,
-                    max_new_tokens=settings.max_new_tokens,
-                    eos_ids=eos,
-                    lines=lines,
-                ),
-            )
-            texts = decode_answers(tokenizer, out, eos)
+            built.append((method, watch, *method.build(models, contexts, capacity, watch)))
+        together = stack_rows([cache for _, _, cache, _ in built])
+        answering = Stopwatch()
+        out = answering.lap(
+            "answer",
+            generate_from_cache(
+                models.target,
+                together,
+                *tiled(len(built), suffix_ids, suffix_mask),
+                max_new_tokens=settings.max_new_tokens,
+                eos_ids=eos,
+                lines=lines,
+            ),
+        )
+        logprobs = (
+            None
+            if closed
+            else np.asarray(choice_logprob(models.target, together, *tiled(len(built), suffix_ids, suffix_mask, *gold)))
+        )
+        for m, (method, watch, cache, handed) in enumerate(built):
+            mine = slice(m * size, (m + 1) * size)
+            texts = decode_answers(tokenizer, out[mine], eos)
             scores = options.scores(models.target, cache) if closed else None
-            logprob = (
-                None if closed else np.asarray(choice_logprob(models.target, cache, suffix_ids, suffix_mask, *gold))
-            )
             row = rows[method.name]
-            row["timed"].append((len(texts), sum(watch.stages.values())))
+            row["timed"].append((size, sum(watch.stages.values()) + answering.stages["answer"] / len(built)))
             row["handed"] += handed.tolist()
             batch = []
             for b, (example, text) in enumerate(zip(contexts.examples, texts)):
@@ -138,15 +147,20 @@ def answer_examples(models, methods, examples, settings: Settings, progress=None
                     prediction["choice"] = None if chosen is None else example["choices"][chosen]
                     prediction["likelihood_choice"] = example["choices"][int(np.argmax(scores[b]))]
                 else:
-                    prediction["logprob"] = float(logprob[b])
+                    prediction["logprob"] = float(logprobs[mine][b])
                     score(prediction, example)  # here too: the partial results carry it
                 batch.append(prediction)
             row["predictions"] += batch
             if record:
                 record(method.name, start, batch)
-            if progress:
-                progress(sum(len(r["predictions"]) for r in rows.values()))
+        if progress:
+            progress(sum(len(r["predictions"]) for r in rows.values()))
     return rows
+
+
+def tiled(copies: int, *arrays) -> list:
+    """Each [B, ...] array repeated `copies` times along its rows (one copy per stacked cache)."""
+    return [np.tile(a, (copies,) + (1,) * (a.ndim - 1)) for a in arrays]
 
 
 def gold_tokens(tokenizer, examples, chat=None) -> tuple:

@@ -71,3 +71,32 @@ class KVCache:
             positions=jax.lax.dynamic_update_slice(self.positions, positions.astype(jnp.int32), at),
             valid=jax.lax.dynamic_update_slice(self.valid, mask.astype(bool), at),
         )
+
+
+def stack_rows(caches: list[KVCache]) -> KVCache:
+    """One cache holding every cache's rows in order, so that they read a suffix and decode as one batch: the next
+    slot is the largest index (a shorter cache's slots up to it are free, so invalid, and its rows keep their own
+    positions), the room after it the smallest any cache had (its free slots past that are dropped)."""
+    index = max(int(c.index) for c in caches)
+    capacity = index + min(c.capacity - int(c.index) for c in caches)
+    hides = any(c.hidden is not None for c in caches)
+    widest = max(capacity, *(c.capacity for c in caches))
+
+    def fit(c: KVCache) -> KVCache:
+        c = c.with_capacity(widest)
+        return c.replace(hidden=jnp.zeros((c.k.shape[0], *c.valid.shape), bool)) if hides and c.hidden is None else c
+
+    fitted = [fit(c) for c in caches]
+
+    def rows(name, batch_axis, seq_axis):
+        joined = jnp.concatenate([getattr(c, name) for c in fitted], batch_axis)
+        return jax.lax.slice_in_dim(joined, 0, capacity, axis=seq_axis)
+
+    return KVCache(
+        k=rows("k", 1, 3),
+        v=rows("v", 1, 3),
+        positions=rows("positions", 0, 1),
+        valid=rows("valid", 0, 1),
+        index=jnp.asarray(index, jnp.int32),
+        hidden=rows("hidden", 1, 2) if hides else None,
+    )
