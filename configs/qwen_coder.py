@@ -21,8 +21,9 @@ none of the context; a least-squares-started linear map per 1.5B layer writes it
 un-rotated), trained on the 1.5B's prompt CE plus per-layer L1 on K and V, no MSE; the dial's data, steps and rate.
 `:kvp,tiny` runs it on the tiny random pair.
 
-Time and result: not measured at this size yet (the 1.5B's float32 forward over a 256-token batch of 4 is ~3 TFLOP,
-tens of seconds on a 2-core CPU); a GPU is the intended place for it.
+Time and result: the least-squares start alone (12 batches) takes 7 minutes on a 2-core CPU and answers below no
+context (docs/results/2026-12-04-evaluation-at-512.md); a trained run is not measured (the 1.5B's float32 forward
+over a 256-token batch of 4 is ~3 TFLOP); a GPU is the intended place for it.
 """
 
 from mot_jax.errors import MotJaxError
