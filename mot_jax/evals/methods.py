@@ -114,12 +114,16 @@ def native_cache(models, contexts: Contexts, capacity: int | None = None, reuse:
     return contexts.shared[key]
 
 
+def passage_bytes(contexts: Contexts) -> np.ndarray:
+    """What a row that reads the passage as text is handed: its bytes."""
+    return np.array([len(p.encode()) for p in contexts.passages])
+
+
 class Native(Method):
     name = "native"
 
     def build(self, models, contexts, capacity, watch):
-        cache = watch.lap("prefill", native_cache(models, contexts, capacity, reuse=False))
-        return cache, np.array([len(p.encode()) for p in contexts.passages])
+        return watch.lap("prefill", native_cache(models, contexts, capacity, reuse=False)), passage_bytes(contexts)
 
 
 SOURCE_ALONE = "source alone"
@@ -269,7 +273,7 @@ class SwappedBand(Method):
         donor = native_cache(models, contexts.donors)
         carried = carry(contexts.donors.mask, contexts.mask)
         swapped = watch.lap("swap", swap_band(cache, donor, carried, contexts.mask, lo=self.lo, hi=self.hi))
-        return swapped, np.array([len(p.encode()) for p in contexts.passages])
+        return swapped, passage_bytes(contexts)
 
 
 @jit(static_argnames=("lo", "hi"))

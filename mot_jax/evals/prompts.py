@@ -12,6 +12,7 @@ methods that build the cache: `methods`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 
 import jax
@@ -117,11 +118,12 @@ def decode_answers(tokenizer, tokens, eos_ids) -> list[str]:
     return backend.decode_batch(rows, skip_special_tokens=True)
 
 
-def line_flags(tokenizer, vocab_size: int) -> np.ndarray:
+@functools.cache
+def line_flags(tokenizer, vocab_size: int) -> jax.Array:
     """[vocab_size] int32 bit flags per token id, as `greedy_continue`'s `lines` reads them (`LINE_TEXT`,
     `LINE_BREAK`, `TEXT_BEFORE_BREAK`), from each token's text alone; 0 for special tokens and ids past the
     tokenizer's. Decoding then stops at a line break only after non-blank text, where `metrics.first_line` cuts or
-    later, so the scored answers are unchanged."""
+    later, so the scored answers are unchanged. Once per tokenizer (every task and budget of a run asks)."""
     backend = alignment_lib.adapter(tokenizer).backend
     known = min(vocab_size, backend.get_vocab_size(with_added_tokens=True))
     flags = np.zeros(vocab_size, np.int32)
@@ -131,7 +133,7 @@ def line_flags(tokenizer, vocab_size: int) -> np.ndarray:
         flags[i] = (
             LINE_TEXT * bool(text.strip()) + LINE_BREAK * bool(rest) + TEXT_BEFORE_BREAK * bool(rest and head.strip())
         )
-    return flags
+    return jnp.asarray(flags)
 
 
 @jit

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax.numpy as jnp
 import numpy as np
 
 from mot_jax.evals import metrics
@@ -96,7 +95,7 @@ def answer_examples(models, methods, examples, settings: Settings, progress=None
     that answer stage. `progress(answers so far)` after each batch."""
     closed = is_closed(examples)
     eos = tuple(models.target.config.eos_ids)
-    lines = jnp.asarray(line_flags(models.target_tokenizer, models.target.config.vocab_size))
+    lines = line_flags(models.target_tokenizer, models.target.config.vocab_size)
     rows = {m.name: dict(predictions=[], timed=[], handed=[]) for m in methods}
     for contexts, suffix_ids, suffix_mask in batches(models, examples, settings, donors=wants_donors(methods)):
         tokenizer = models.target_tokenizer
@@ -294,7 +293,7 @@ def evaluate_agents(models, methods, documents, settings: Settings, progress=Non
     agents = min(len(d["questions"]) for d in documents)
     examples = [dict(context=d["context"], question=d["questions"][0]) for d in documents]
     eos = tuple(models.target.config.eos_ids)
-    lines = jnp.asarray(line_flags(models.target_tokenizer, models.target.config.vocab_size))
+    lines = line_flags(models.target_tokenizer, models.target.config.vocab_size)
     scores, predictions = {m.name: [] for m in methods}, {m.name: [] for m in methods}
     per_agent = [[d["questions"][k] for d in documents] for k in range(agents)]
     donors = wants_donors(methods)
