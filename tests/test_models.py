@@ -119,11 +119,16 @@ def test_prefill_then_decode_steps_equal_generate(pair):
 
 
 class NextToken:
-    """A stand-in decoder whose greedy next token is the current one plus one, so every step's token is known."""
+    """A stand-in decoder whose greedy next token is the current one plus one, so every step's token is known;
+    `rows` records the batch sizes it was traced with."""
 
     config = SimpleNamespace(eos_ids=())
 
+    def __init__(self):
+        self.rows = []
+
     def __call__(self, tokens, cache):
+        self.rows.append(tokens.shape[0])
         return jax.nn.one_hot(tokens + 1, 64), cache
 
 
@@ -146,6 +151,18 @@ def test_decoding_ends_each_row_at_the_end_of_its_first_line_of_text():
     np.testing.assert_array_equal(decode(None), [*counting, [40, 41] + [42] * 6])
 
 
+def test_decoding_goes_on_with_the_running_rows_alone_once_most_have_ended():
+    """20 rows counting up from 20, 21, ..., 39 with end token 42: row r ends after 42 - (20 + r) steps, so after
+    a few steps 10 rows run and then fewer than 8; the decoder is traced for 20 rows and for 10, and every row's
+    tokens (ended rows repeat 42) are those of counting up, in the batch's row order."""
+    model, starts = NextToken(), np.arange(20, 40)
+    logits = jax.nn.one_hot(jnp.asarray(starts), 64)
+    out = np.asarray(jax.jit(lambda x: greedy_continue(model, x, None, 30, (42,)))(logits))
+    want = np.minimum(starts[:, None] + np.arange(30), 42)
+    np.testing.assert_array_equal(out, want)
+    assert model.rows == [20, 10]
+
+
 def test_caches_of_different_lengths_decode_as_one_batch_as_they_do_apart(pair):
     """`stack_rows`: a padded 11-token context and a 4-token one, in caches of other capacities (one with a layer
     hiding a slot), read one question and decode together to the tokens each gives on its own."""
@@ -163,6 +180,22 @@ def test_caches_of_different_lengths_decode_as_one_batch_as_they_do_apart(pair):
         model, stack_rows([long, short]), jnp.tile(question, (2, 1)), max_new_tokens=5, eos_ids=()
     )
     np.testing.assert_array_equal(np.asarray(together), np.concatenate(apart))
+
+    # 18 rows whose end tokens (taken from their endless decoding) end them at different steps: each row's tokens
+    # are its endless ones up to its first end token, then that token again, though most rows end early and the
+    # rest decode on alone (`greedy_continue` halves the batch)
+    caches = stack_rows([long, short] * 3)
+    question = jnp.asarray(rng.integers(3, model.config.vocab_size, size=(caches.valid.shape[0], 3)))
+    endless = np.asarray(generate_from_cache(model, caches, question, max_new_tokens=9, eos_ids=()))
+    eos = tuple(sorted({int(endless[r, 1 + r % 5]) for r in range(0, 18, 2)}))
+    want = endless.copy()
+    for row in want:
+        ends = np.flatnonzero(np.isin(row, eos))
+        if len(ends):
+            row[ends[0] :] = row[ends[0]]
+    assert (np.isin(want, eos).any(1).sum()) > 9  # more than half the rows end early: the batch halves
+    ended = generate_from_cache(model, caches, question, max_new_tokens=9, eos_ids=eos)
+    np.testing.assert_array_equal(np.asarray(ended), want)
 
 
 def test_mapping_table_round_trips_the_checkpoint(pair):

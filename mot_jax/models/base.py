@@ -342,6 +342,7 @@ def decode_step(model, tokens, cache):
 
 
 LINE_TEXT, LINE_BREAK, TEXT_BEFORE_BREAK = 1, 2, 4  # bit flags per token id of `greedy_continue`'s `lines`
+MIN_DECODE_ROWS = 8  # `greedy_continue` decodes fewer rows than the batch down to this many
 
 
 def greedy_continue(model, logits, cache, max_new_tokens, eos_ids=None, lines=None):
@@ -351,7 +352,9 @@ def greedy_continue(model, logits, cache, max_new_tokens, eos_ids=None, lines=No
     repeats that token. With `lines` ([V] bit flags per token id: `LINE_TEXT` it holds non-blank text, `LINE_BREAK`
     a line break, `TEXT_BEFORE_BREAK` text before its first break), a row also ends after the token that ends its
     first line of text (a break after non-blank text: where answers are cut) and then emits the first end token.
-    The loop stops once every row has ended, so a batch of short answers costs only their steps.
+    The loop stops once every row has ended, so a batch of short answers costs only their steps; and once no more
+    rows run than half the batch, it goes on with those rows alone (halving again, down to `MIN_DECODE_ROWS`), so
+    a few long answers do not keep every row's step running.
     Traced: call it inside a jitted function.
     """
     eos_ids = model.config.eos_ids if eos_ids is None else eos_ids
@@ -359,7 +362,8 @@ def greedy_continue(model, logits, cache, max_new_tokens, eos_ids=None, lines=No
         raise MotJaxError("Ending rows at a line break needs an end-of-sequence id to emit after it; pass eos_ids.")
     eos = jnp.asarray(eos_ids or (-1,), jnp.int32)
     first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    out = jnp.zeros((first.shape[0], max_new_tokens), jnp.int32).at[:, 0].set(first)
+    batch = first.shape[0]
+    out = jnp.zeros((batch, max_new_tokens), jnp.int32).at[:, 0].set(first)
 
     def ended(token, started):
         """(whether a row has ended at `token`, whether its text has started, `token` included)."""
@@ -372,20 +376,36 @@ def greedy_continue(model, logits, cache, max_new_tokens, eos_ids=None, lines=No
     def filler(token):  # what an ended row emits: its end token again, or the first end token after a line break
         return jnp.where(jnp.isin(token, eos), token, eos[0])
 
-    def running(carry):
-        i, token, started, _, _ = carry
-        return (i < max_new_tokens) & ~jnp.all(ended(token, started)[0])
+    # the rows decoded together shrink through these sizes; `rows` maps them to the batch's rows, and `written`
+    # [batch] counts each batch row's tokens in `out` (a row left behind has ended: the rest of it is its filler)
+    sizes = [batch]
+    while sizes[-1] // 2 >= MIN_DECODE_ROWS:
+        sizes.append(sizes[-1] // 2)
+    i, token, started, rows = jnp.int32(1), first, jnp.zeros(batch, bool), jnp.arange(batch)
+    last, written = first, jnp.ones(batch, jnp.int32)
+    for phase, size in enumerate(sizes):
+        if phase:  # keep the running rows (and ended ones to fill the size)
+            keep = jnp.argsort(ended(token, started)[0], stable=True)[:size]
+            token, started, rows = token[keep], started[keep], rows[keep]
+            cache = None if cache is None else cache.take_rows(keep)
+        fewer = sizes[phase + 1] if phase + 1 < len(sizes) else 0  # running rows that let the next phase start
 
-    def step(carry):
-        i, token, started, cache, out = carry
-        done, started = ended(token, started)
-        logits, cache = model(token[:, None], cache=cache)
-        new = jnp.where(done, filler(token), jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32))
-        return i + 1, new, started, cache, jax.lax.dynamic_update_slice(out, new[:, None], (0, i))
+        def running(carry, fewer=fewer):
+            i, token, started = carry[:3]
+            still = ~ended(token, started)[0]
+            return (i < max_new_tokens) & jnp.any(still) & (jnp.sum(still) > fewer)
 
-    started = jnp.zeros(first.shape, bool)
-    i, last, _, _, out = jax.lax.while_loop(running, step, (jnp.int32(1), first, started, cache, out))
-    return jnp.where(jnp.arange(max_new_tokens) < i, out, filler(last)[:, None])
+        def step(carry, rows=rows):
+            i, token, started, cache, out, last, written = carry
+            done, started = ended(token, started)
+            logits, cache = model(token[:, None], cache=cache)
+            new = jnp.where(done, filler(token), jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32))
+            out = out.at[rows, i].set(new)
+            return i + 1, new, started, cache, out, last.at[rows].set(new), written.at[rows].set(i + 1)
+
+        carry = (i, token, started, cache, out, last, written)
+        i, token, started, cache, out, last, written = jax.lax.while_loop(running, step, carry)
+    return jnp.where(jnp.arange(max_new_tokens) < written[:, None], out, filler(last)[:, None])
 
 
 @jit(static_argnames=("max_new_tokens", "eos_ids"))

@@ -64,6 +64,17 @@ class KVCache:
         """[B] the position that follows each row's last valid token (0 for an empty row)."""
         return jnp.max(jnp.where(self.valid, self.positions, -1), axis=1) + 1
 
+    def take_rows(self, rows) -> KVCache:
+        """The cache of rows `rows` [b] (indices into the batch), in that order."""
+        hidden = None if self.hidden is None else jnp.take(self.hidden, rows, 1)
+        return self.replace(
+            k=jnp.take(self.k, rows, 1),
+            v=jnp.take(self.v, rows, 1),
+            positions=jnp.take(self.positions, rows, 0),
+            valid=jnp.take(self.valid, rows, 0),
+            hidden=hidden,
+        )
+
     def append_slots(self, positions, mask):
         """Record the positions and validity of T new tokens at slots [index, index + T)."""
         at = (0, self.index)
