@@ -425,9 +425,13 @@ def test_shuffled_source_equals_the_translation_when_the_translator_ignores_the_
     assert [(against[m]["diff"], against[m]["se"]) for m in ("f1", "exact_match", "logprob")] == [(0, 0)] * 3
 
 
-def test_shuffled_source_row_is_the_translation_of_another_examples_source(pair):
+def test_shuffled_source_row_is_the_translation_of_another_examples_source(pair, monkeypatch):
     """Row b's cache is the normal translation of its donor's (the next example's) context, built here on its own
-    through CacheTranslator; the prefixes are cut to one length so both grids agree."""
+    through CacheTranslator; the prefixes are cut to one length so both grids agree. A batch's translated row and
+    its control run one source prefill (over the batch's rows and the donors not among them) and the target's bottom
+    layers over the batch once."""
+    from mot_jax.evals import methods
+    from mot_jax.translate import pipeline
     from mot_jax.translate.pipeline import CacheTranslator
 
     translator = direct_translator(pair, seed=1)
@@ -440,11 +444,17 @@ def test_shuffled_source_row_is_the_translation_of_another_examples_source(pair)
     donors = [examples[(i + 1) % len(examples)] for i in range(len(examples))]
     ids = np.array([token_ids(pair.target_tokenizer, [prefix_text(d, False)], True)[0][:120] for d in donors])
     own = translate.from_target_ids(ids, np.ones((len(donors), 120), bool))
-    checked = 0
+    checked, calls = 0, []
+    counted = lambda name, f: lambda *a, **k: calls.append((name, len(a[1]))) or f(*a, **k)
+    monkeypatch.setattr(pipeline, "source_prefill", counted("source", pipeline.source_prefill))
+    monkeypatch.setattr(methods, "bottom_run_jit", counted("target", methods.bottom_run_jit))
     for contexts, _, _ in batches(pair, examples, settings, donors=True):
         assert (contexts.mask.sum(1) == 120).all()
+        calls.clear()
         shuffled, _ = ShuffledSource(method).build(pair, contexts, contexts.length, Stopwatch())
         normal, _ = method.build(pair, contexts, contexts.length, Stopwatch())
+        # batch [0, 1] with donors [1, 2]: the source reads 0, 1, 2; batch [2] with donor [0]: it reads 2, 0
+        assert calls == [("source", 3 if len(contexts.examples) == 2 else 2), ("target", len(contexts.examples))]
         for b, example in enumerate(contexts.examples):
             i = examples.index(example)
             np.testing.assert_allclose(shuffled.k[:, b, :, :120], own.k[:, i], atol=1e-5)

@@ -40,7 +40,14 @@ from mot_jax.jit import jit
 from mot_jax.models.base import generate, prefill
 from mot_jax.translate import kinds
 from mot_jax.translate.donors import carry, regrid
-from mot_jax.translate.pipeline import SourceRead, read_source, translate_jit
+from mot_jax.translate.pipeline import (
+    SourceRead,
+    bottom_run_jit,
+    read_source,
+    runs_source,
+    target_side_jit,
+    translate_jit,
+)
 
 BASELINES = ("no_context", "native", "text_relay", "kvcomm")  # kvcomm: evals/kvcomm.py (one model family and depth)
 
@@ -55,6 +62,21 @@ class Stopwatch:
         jax.block_until_ready(result)
         now = time.perf_counter()
         self.stages[stage] = self.stages.get(stage, 0.0) + now - self._start
+        self._start = now
+        return result
+
+    def shared(self, stage: str, store: dict, key, compute, ready=lambda result: result):
+        """`compute()`'s result, computed once per `store` (a batch's `Contexts.shared`) for every row that reads it;
+        each reader's stage is charged the time it took, as if the reader ran it alone. `ready(result)` is what to
+        wait for."""
+        before = time.perf_counter()
+        if key not in store:
+            result = compute()
+            jax.block_until_ready(ready(result))
+            store[key] = (result, time.perf_counter() - before)
+        result, seconds = store[key]
+        now = time.perf_counter()
+        self.stages[stage] = self.stages.get(stage, 0.0) + before - self._start + seconds
         self._start = now
         return result
 
@@ -181,19 +203,34 @@ class Translated(Method):
 
     def read_source(self, models, contexts, watch) -> SourceRead:
         """The source's side of a batch, the source having read the contexts' text (no source runs for the
-        source-free control): its stage ends when the source's prefill is done."""
+        source-free control): its stage ends when the source's prefill is done. Where the contexts are rows of a
+        larger batch (`Contexts.some`: a batch and its donors), the source reads that batch once for every method
+        that reads it as this one does."""
+        spec, whole = self.translator.spec, contexts.whole or contexts
+        key = ("source read", id(models.source), runs_source(spec), spec.attention_topk, *spec.source_hands.values())
         tokenizers = (models.source_tokenizer, models.target_tokenizer)
-        read = read_source(self.translator.spec, models.source, *tokenizers, contexts.ids, contexts.mask, BUCKET)
-        if read.cache is not None:
-            watch.lap("source_prefill", (read.cache, read.topk))
-        return read
+        read = watch.shared(
+            "source_prefill",
+            whole.shared,
+            key,
+            lambda: read_source(spec, models.source, *tokenizers, whole.ids, whole.mask, BUCKET),
+            lambda read: (read.cache, read.topk),
+        )
+        return read if contexts.whole is None else read.take(contexts.rows)
 
     def translate(self, models, contexts, read: SourceRead, capacity, watch):
-        """(target cache, aux) of the translator writing the contexts' target grid from `read` (`read_source`)."""
-        return watch.lap(
-            "translation",
-            translate_jit(*self.translation_args(models, contexts, read), capacity=capacity),
-        )
+        """(target cache, aux) of the translator writing the contexts' target grid from `read` (`read_source`). The
+        target's own bottom layers over the contexts (the dial's, `bottom_run`) run once per batch for every method
+        that reads them (a translator, its shuffled-source control, another run's translator at that bottom)."""
+        spec, side = self.translator.spec, None
+        if spec.mode == "direct" and not kinds.get(self.translator.cfg.kind).translate:  # not a path of its own
+            args = (models.target, contexts.ids, contexts.mask)
+            key = ("target bottom", id(models.target), capacity, spec.native_bottom)
+            run = lambda: bottom_run_jit(*args, native_bottom=spec.native_bottom, capacity=capacity)
+            bottom = watch.shared("target_bottom", contexts.shared, key, run)
+            side = target_side_jit(*args, bottom, spec=spec, capacity=capacity)
+        args = self.translation_args(models, contexts, read)
+        return watch.lap("translation", translate_jit(*args, capacity=capacity, side=side))
 
     def translation_args(self, models, contexts, read: SourceRead) -> tuple:
         """`translate_jit`'s arguments for the contexts (shared by the timed run and the memory plan)."""

@@ -5,8 +5,9 @@ over (cached, translated or summarised); the suffix "Question: ... Answer:" is r
 without special tokens (no BOS in the middle); greedy decoding, cut at the first line break or prompt marker.
 
 Here: the prompt text, its tokens, the padded batches of contexts and suffixes (`batches`) and the jitted scoring
-of options after a context cache (`choice_logprob`; greedy answers: `mot_jax.models.base.generate_from_cache`). The
-methods that build the cache: `methods`.
+of options after a context cache (`choice_logprob`), and the open answers with their gold answer's log-probability
+(`answer_and_logprob`; greedy decoding: `mot_jax.models.base.greedy_continue`). The methods that build the cache:
+`methods`.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import numpy as np
 
 from mot_jax.errors import MotJaxError
 from mot_jax.jit import jit
-from mot_jax.models.base import LINE_BREAK, LINE_TEXT, TEXT_BEFORE_BREAK, last_valid_index
+from mot_jax.models.base import LINE_BREAK, LINE_TEXT, TEXT_BEFORE_BREAK, greedy_continue, last_valid_index
 from mot_jax.translate import align as alignment_lib
 from mot_jax.translate.donors import donor_indices
 
@@ -38,7 +39,7 @@ CHAT_TURNS = {
 }
 INSTRUCT_NAMES = ("instruct", "-it", "chat")  # a model name with one of these is chat-tuned
 CHAT_SETTINGS = ("auto", "on", "off")
-BUCKET, SUFFIX_BUCKET = 64, 16  # padded lengths: jitted code compiles once per bucket, not once per batch
+BUCKET, SUFFIX_BUCKET = 16, 8  # padded lengths: jitted code compiles once per bucket, not once per batch
 
 
 def instruction(example: dict, closed: bool) -> str:
@@ -136,16 +137,47 @@ def line_flags(tokenizer, vocab_size: int) -> jax.Array:
     return jnp.asarray(flags)
 
 
-@jit
-def choice_logprob(target, cache, suffix_ids, suffix_mask, choice_ids, choice_mask):
-    """Mean log-probability per token [B] of each row's choice tokens read after the context cache and the suffix."""
+def read_and_score(target, cache, suffix_ids, suffix_mask, choice_ids, choice_mask):
+    """The target reads each row's suffix then its choice tokens after the context cache: (the final hidden state of
+    its last suffix token [B, D], the choice's mean log-probability per token [B], the cache holding both)."""
     ids, mask = jnp.concatenate([suffix_ids, choice_ids], 1), jnp.concatenate([suffix_mask, choice_mask], 1)
-    hidden, _ = target.hidden_states(ids, mask, cache=cache)
+    hidden, cache = target.hidden_states(ids, mask, cache=cache)
     first = hidden[jnp.arange(ids.shape[0]), last_valid_index(suffix_mask)]  # predicts the first choice token
     predictors = jnp.concatenate([first[:, None], hidden[:, suffix_ids.shape[1] : -1]], 1)
     logp = jax.nn.log_softmax(target.unembed(predictors).astype(jnp.float32), axis=-1)
     picked = jnp.take_along_axis(logp, choice_ids[..., None], axis=-1)[..., 0] * choice_mask
-    return picked.sum(1) / jnp.maximum(choice_mask.sum(1), 1)
+    return first, picked.sum(1) / jnp.maximum(choice_mask.sum(1), 1), cache
+
+
+@jit
+def choice_logprob(target, cache, suffix_ids, suffix_mask, choice_ids, choice_mask):
+    """Mean log-probability per token [B] of each row's choice tokens read after the context cache and the suffix."""
+    return read_and_score(target, cache, suffix_ids, suffix_mask, choice_ids, choice_mask)[1]
+
+
+def answer_and_logprob(target, cache, suffix_ids, suffix_mask, gold_ids, gold_mask, *, max_new_tokens, eos_ids, lines):
+    """(greedy answers [B, max_new_tokens] after the context cache and the suffix, as `generate_from_cache` gives
+    them; the gold answer's mean log-probability per token [B], as `choice_logprob`) from one read of the suffix and
+    the gold answer: the gold's slots are freed before decoding, so the answer never sees them."""
+    needed = int(cache.index) + suffix_ids.shape[1] + max(max_new_tokens, gold_ids.shape[1])
+    if needed > cache.capacity:
+        raise MotJaxError(
+            f"The cache has {cache.capacity} slots but the question and its answer need {needed}; build it with "
+            f"capacity >= {needed}."
+        )
+    args = (target, cache, suffix_ids, suffix_mask, gold_ids, gold_mask)
+    return answer_and_logprob_jit(*args, max_new_tokens=max_new_tokens, eos_ids=eos_ids, lines=lines)
+
+
+@jit(static_argnames=("max_new_tokens", "eos_ids"))
+def answer_and_logprob_jit(
+    target, cache, suffix_ids, suffix_mask, gold_ids, gold_mask, *, max_new_tokens, eos_ids, lines
+):
+    after_suffix = cache.index + suffix_ids.shape[1]
+    last, logprob, cache = read_and_score(target, cache, suffix_ids, suffix_mask, gold_ids, gold_mask)
+    freed = jax.lax.dynamic_update_slice(cache.valid, jnp.zeros(gold_mask.shape, bool), (0, after_suffix))
+    cache = cache.replace(valid=freed, index=after_suffix)
+    return greedy_continue(target, target.unembed(last), cache, max_new_tokens, eos_ids, lines), logprob
 
 
 @dataclasses.dataclass
@@ -160,10 +192,28 @@ class Contexts:
     donors: Contexts | None = None  # row by row, another example's contexts (with another passage): ShuffledSource
     chat: tuple | None = None  # the chat turns the prompts are in (`Settings.chat`)
     shared: dict = dataclasses.field(default_factory=dict)  # results several rows reuse (`methods.native_cache`)
+    # with donors, the batch's contexts and its donors' are rows of one batch (`some`), which a source reads once
+    whole: Contexts | None = None
+    rows: np.ndarray | None = None  # which of `whole`'s rows these are
 
     @property
     def length(self) -> int:
         return self.ids.shape[1]
+
+    def some(self, rows) -> Contexts:
+        """These contexts' rows `rows`, as a batch of their own that knows it is part of this one."""
+        rows = np.asarray(rows)
+        pick = lambda items: [items[i] for i in rows]
+        return Contexts(
+            pick(self.examples),
+            self.closed,
+            self.ids[rows],
+            self.mask[rows],
+            pick(self.passages),
+            chat=self.chat,
+            whole=self,
+            rows=rows,
+        )
 
 
 @dataclasses.dataclass
@@ -197,7 +247,7 @@ def prefix_budgets(models, prefixes, suffixes, settings: Settings) -> list[int]:
 def batches(models, examples, settings: Settings, questions=None, donors: bool = False):
     """(Contexts, suffix ids, suffix mask) per batch; `questions` replaces each example's question (multi-agent);
     `donors` attaches each row's donor contexts (`donor_indices`) for `ShuffledSource`."""
-    donor = donor_indices(examples) if donors else None
+    donor = np.asarray(donor_indices(examples)) if donors else None
     closed = is_closed(examples)
     prefixes = token_ids(models.target_tokenizer, [prefix_text(e, closed, chat=settings.chat) for e in examples], True)
     questions = questions or [None] * len(examples)
@@ -209,19 +259,23 @@ def batches(models, examples, settings: Settings, questions=None, donors: bool =
     texts = alignment_lib.adapter(models.target_tokenizer).backend.decode_batch(prefixes, skip_special_tokens=True)
     passages = [t.split("\nPassage: ", 1)[1] if "\nPassage: " in t else "" for t in texts]
     for start in range(0, len(examples), settings.batch_size):
-        rows = slice(start, start + settings.batch_size)
-        ids, mask = padded(prefixes[rows], BUCKET)
-        contexts = Contexts(examples[rows], closed, ids, mask, passages[rows], chat=settings.chat)
-        if donor:
-            picked = donor[rows]
-            contexts.donors = Contexts(
-                [examples[j] for j in picked],
-                closed,
-                *padded([prefixes[j] for j in picked], BUCKET),
-                [passages[j] for j in picked],
-                chat=settings.chat,
+        rows = list(range(start, min(start + settings.batch_size, len(examples))))
+        # with donors: the batch's rows, then those of its donors not among them (mostly one: the next batch's first)
+        whole = rows if donor is None else rows + [j for j in dict.fromkeys(donor[rows].tolist()) if j not in rows]
+        contexts = Contexts(
+            [examples[j] for j in whole],
+            closed,
+            *padded([prefixes[j] for j in whole], BUCKET),
+            [passages[j] for j in whole],
+            chat=settings.chat,
+        )
+        if donor is not None:
+            at = {j: i for i, j in enumerate(whole)}
+            contexts, contexts.donors = (
+                contexts.some(range(len(rows))),
+                contexts.some([at[j] for j in donor[rows].tolist()]),
             )
-        yield contexts, *padded(suffixes[rows], SUFFIX_BUCKET)
+        yield contexts, *padded([suffixes[j] for j in rows], SUFFIX_BUCKET)
 
 
 def capacity_for(contexts: Contexts, suffix_ids, extra: int) -> int:

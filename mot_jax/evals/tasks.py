@@ -24,6 +24,7 @@ from mot_jax.evals.methods import (
 from mot_jax.evals.prompts import (
     SUFFIX_BUCKET,
     Settings,
+    answer_and_logprob,
     batches,
     capacity_for,
     choice_logprob,
@@ -110,22 +111,23 @@ def answer_examples(models, methods, examples, settings: Settings, progress=None
             built.append((method, watch, *method.build(models, contexts, capacity, watch)))
         together = stack_rows([cache for _, _, cache, _ in built])
         answering = Stopwatch()
-        out = answering.lap(
-            "answer",
-            generate_from_cache(
+        questions = tiled(len(built), suffix_ids, suffix_mask)
+        if closed:
+            out = generate_from_cache(
+                models.target, together, *questions, max_new_tokens=settings.max_new_tokens, eos_ids=eos, lines=lines
+            )
+        else:
+            out, logprobs = answer_and_logprob(
                 models.target,
                 together,
-                *tiled(len(built), suffix_ids, suffix_mask),
+                *questions,
+                *tiled(len(built), *gold),
                 max_new_tokens=settings.max_new_tokens,
                 eos_ids=eos,
                 lines=lines,
-            ),
-        )
-        logprobs = (
-            None
-            if closed
-            else np.asarray(choice_logprob(models.target, together, *tiled(len(built), suffix_ids, suffix_mask, *gold)))
-        )
+            )
+            logprobs = np.asarray(logprobs)
+        answering.lap("answer", out)
         for m, (method, watch, cache, handed) in enumerate(built):
             mine = slice(m * size, (m + 1) * size)
             texts = decode_answers(tokenizer, out[mine], eos)

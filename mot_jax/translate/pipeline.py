@@ -19,6 +19,7 @@ from mot_jax.models.cache import KVCache
 from mot_jax.translate import align as alignment_lib
 from mot_jax.translate.spec import TranslationSpec
 from mot_jax.translate.translator import KVTranslator, source_read, translate
+from mot_jax.translate.window import bottom_run, target_side
 
 
 @jit(static_argnames=("topk", "layer_inputs", "last_hidden"))
@@ -30,12 +31,36 @@ def source_prefill(source, source_ids, source_mask, *, topk=0, layer_inputs=Fals
 
 @jit(static_argnames=("capacity",))
 def translate_jit(
-    translator, source, target, source_cache, alignment, target_ids, target_mask, source_topk, *, capacity=None
+    translator,
+    source,
+    target,
+    source_cache,
+    alignment,
+    target_ids,
+    target_mask,
+    source_topk,
+    *,
+    capacity=None,
+    side=None,
 ):
-    """`translate`, jitted: (the target cache, the aux outputs)."""
-    return translate(
-        translator, source, target, source_cache, alignment, target_ids, target_mask, source_topk, capacity
-    )
+    """`translate`, jitted: (the target cache, the aux outputs); `side`: the context's `TargetSide` when the caller
+    has it."""
+    args = (source_cache, alignment, target_ids, target_mask, source_topk, capacity)
+    return translate(translator, source, target, *args, side=side)
+
+
+@jit(static_argnames=("native_bottom", "capacity"))
+def bottom_run_jit(target, target_ids, target_mask, *, native_bottom, capacity):
+    """`bottom_run` into an empty cache of `capacity` slots, jitted: the target's own bottom layers over the context."""
+    cache = target.init_cache(target_ids.shape[0], capacity)
+    return bottom_run(target, target_ids, target_mask.astype(bool), native_bottom, cache)
+
+
+@jit(static_argnames=("spec", "capacity"))
+def target_side_jit(target, target_ids, target_mask, bottom=None, *, spec, capacity):
+    """`target_side`, jitted: what `translate` reads of the target over the context (from `bottom_run_jit`'s
+    `bottom` when the caller has it)."""
+    return target_side(spec, target, target_ids, target_mask, capacity, bottom)
 
 
 def runs_source(spec: TranslationSpec) -> bool:
@@ -55,6 +80,17 @@ class SourceRead:
     # no source
     cache: KVCache | None = None
     topk: jax.Array | None = None  # its attention's top-k key indices [Ls, B, S, k] for sparse replay, else None
+
+    def take(self, rows) -> SourceRead:
+        """The read of rows `rows` [b] of the batch, in that order."""
+        a = self.alignment
+        return SourceRead(
+            self.ids[rows],
+            self.mask[rows],
+            alignment_lib.Alignment(a.weights[rows], a.target_to_source[rows], a.source_to_target[rows]),
+            None if self.cache is None else self.cache.take_rows(jnp.asarray(rows)),
+            None if self.topk is None else jnp.take(self.topk, jnp.asarray(rows), 1),
+        )
 
 
 def read_source(

@@ -79,20 +79,31 @@ def rms_normalized(x):
     return x * jax.lax.rsqrt(jnp.mean(jnp.square(x), -1, keepdims=True) + 1e-6)
 
 
-def run_native_bottom(spec, target: CausalLM, target_ids, mask, cache):
-    """The target's own layers `0..native_bottom-1` over the context into `cache` (empty), and the target-side
-    features the translator reads ([B, T, F], None when it reads the source alone)."""
-    hidden = None
-    if spec.native_bottom:
-        hidden, cache, _ = target.run_layers(target_ids, mask, cache=cache, fresh=True, stop=spec.native_bottom)
-    else:
-        cache = cache.append_slots(positions_from_mask(mask), mask)
+def bottom_run(target: CausalLM, target_ids, mask, native_bottom: int, cache):
+    """The target's own layers `0..native_bottom-1` over the context into `cache` (empty): (the cache, the residual
+    stream after them [B, T, D]; None when native_bottom = 0)."""
+    if native_bottom:
+        hidden, cache, _ = target.run_layers(target_ids, mask, cache=cache, fresh=True, stop=native_bottom)
+        return cache, hidden
+    return cache.append_slots(positions_from_mask(mask), mask), None
+
+
+def target_features(spec, target: CausalLM, target_ids, mask, hidden):
+    """The target-side features the translator reads ([B, T, F]; None when it reads the source alone), from the
+    residual stream after the native bottom (`bottom_run`'s)."""
     features = []
     if "embeddings" in spec.inputs:
         features.append(rms_normalized(target.embed(target_ids, positions_from_mask(mask))))
     if "hidden" in spec.inputs:
         features.append(rms_normalized(hidden))
-    return cache, (jnp.concatenate(features, -1) if features else None)
+    return jnp.concatenate(features, -1) if features else None
+
+
+def run_native_bottom(spec, target: CausalLM, target_ids, mask, cache):
+    """The target's own layers `0..native_bottom-1` over the context into `cache` (empty), and the target-side
+    features the translator reads ([B, T, F], None when it reads the source alone)."""
+    cache, hidden = bottom_run(target, target_ids, mask, spec.native_bottom, cache)
+    return cache, target_features(spec, target, target_ids, mask, hidden)
 
 
 def window_inputs(spec, source: CausalLM, target: CausalLM, source_cache, alignment, features=None):
@@ -148,17 +159,19 @@ class TargetSide:
     first_v: jax.Array | None
 
 
-def target_side(spec, target: CausalLM, target_ids, mask, capacity: int) -> TargetSide:
+def target_side(spec, target: CausalLM, target_ids, mask, capacity: int, bottom=None) -> TargetSide:
     """The `TargetSide` of the context `target_ids` [b, T] (padding per `mask`), as `translate` computes it into a
-    cache of `capacity` slots."""
+    cache of `capacity` slots; `bottom`: `bottom_run`'s (cache, hidden) of this context, when the caller has them."""
     batch, length = target_ids.shape
     mask = mask.astype(bool)
     bottom_k = bottom_v = features = first_k = first_v = None
     if spec.mode == "direct":
-        cache, features = run_native_bottom(spec, target, target_ids, mask, target.init_cache(batch, capacity))
+        if bottom is None:
+            bottom = bottom_run(target, target_ids, mask, spec.native_bottom, target.init_cache(batch, capacity))
+        cache, hidden = bottom
+        features = target_features(spec, target, target_ids, mask, hidden)
         if spec.native_bottom:
-            bottom = lambda kv: kv[: spec.native_bottom, :, :, :length]
-            bottom_k, bottom_v = bottom(cache.k), bottom(cache.v)
+            bottom_k, bottom_v = (kv[: spec.native_bottom, :, :, :length] for kv in (cache.k, cache.v))
     if spec.target_layers:
         first_k, first_v = first_token_kv(target, target_ids, first_valid_index(mask), spec.target_layers)
     return TargetSide(bottom_k, bottom_v, features, first_k, first_v)
