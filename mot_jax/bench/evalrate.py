@@ -4,7 +4,7 @@ The work: `mot_jax.evaluate`'s answer loop (`evals.tasks.answer_examples`, padde
 answer's log-probability) with its two baselines that need no translator, no context and native context, on the
 target of `--pair`, over synthetic extractive examples drawn past the held-out split (so the evaluation's own split
 stays unread). The bound: the FLOPs of the prefills it runs (every forward over many tokens at once: the context's
-prefill, the question read after the cache, the question and gold answer teacher-forced) over the machine's matmul
+prefill, the question and gold answer teacher-forced after the cache) over the machine's matmul
 rate, measured here on a square matmul in the model's dtype. The FLOPs are counted in closed form
 (`flops.forward_flops`, shared with the models part) on the real tokens, causally, as a perfect kernel would do them:
 no padding, no masked keys; the decode steps are counted apart (memory-bound, one token a step) and added in a second
@@ -33,13 +33,12 @@ class Work:
 
 def batch_flops(cfg, prefix: list[int], suffix: list[int], gold: list[int], new_tokens: int) -> Work:
     """One method's work on a batch, row by row from its real token counts: the context (`prefix` tokens) filled
-    with its last token's logits, then the question (`suffix`) read after it with its last logits, `new_tokens - 1`
-    greedy steps, and the question and the gold answer (`gold` tokens) teacher-forced after the context with one
-    logit per answer token."""
+    with its last token's logits, then the question (`suffix`) and the gold answer (`gold` tokens) read after it as
+    one, teacher-forced, with one logit per answer token (the first also the greedy answer's: `answer_and_logprob`),
+    and `new_tokens - 1` greedy steps."""
     work = Work(rows=len(prefix))
     for p, s, g in zip(prefix, suffix, gold):
-        work.prefill += forward_flops(cfg, p) + forward_flops(cfg, s, past=p)
-        work.prefill += forward_flops(cfg, s + g, past=p, logits=g)
+        work.prefill += forward_flops(cfg, p) + forward_flops(cfg, s + g, past=p, logits=g)
         work.decode += sum(forward_flops(cfg, 1, past=p + s + j) for j in range(new_tokens - 1))
     return work
 
