@@ -20,7 +20,16 @@ from helpers import one_device_command_env, small_config
 from mot_jax.errors import MotJaxError
 from mot_jax.evals import datasets, metrics, report, run, synthetic
 from mot_jax.evals.config import defaults
-from mot_jax.evals.methods import Native, ShuffledSource, SourceAlone, Stopwatch, Translated, method_name, regrid
+from mot_jax.evals.methods import (
+    Native,
+    NoContext,
+    ShuffledSource,
+    SourceAlone,
+    Stopwatch,
+    Translated,
+    method_name,
+    regrid,
+)
 from mot_jax.evals.prompts import (
     CHAT_TURNS,
     INSTRUCTIONS,
@@ -188,6 +197,16 @@ def test_budgets_truncate_the_context_and_a_question_that_cannot_fit_is_refused(
         next(batches(pair, [too_long], short))
 
 
+def test_no_context_leaves_the_room_it_was_asked_for(pair):
+    """Its cache holds the instruction and room for `capacity - contexts.length` more tokens even where the
+    instruction is longer than a budget-cut context (it had less room, and the gold answer's read after the question
+    overwrote its last slots)."""
+    examples = synthetic.examples("extractive_qa", 2, seed=1)
+    contexts, _, _ = next(batches(pair, examples, Settings(batch_size=2, budget=24)))
+    cache, _ = NoContext().build(pair, contexts, contexts.length + 40, Stopwatch())
+    assert int(cache.index) > contexts.length and cache.capacity - int(cache.index) == 40
+
+
 @pytest.fixture(scope="module")
 def trained_workdir(tiny_run):
     """A tiny training run (the translator only needs to exist): the session's quickstart:tiny run, a replay mixture
@@ -330,15 +349,27 @@ def test_replay_attention_and_checkpoint_step_are_chosen_at_evaluation(trained_w
 
 def test_multi_agent_predictions_name_each_agent_question_and_gold_answers(pair):
     """predictions.jsonl had no multi-agent rows: one per document and agent, and its F1 is their mean (its standard
-    error theirs)."""
+    error theirs). Each native answer is the target's reading the document and that agent's question in one sequence
+    (the methods' caches answer as one batch), the document cut to leave room for its longest question (it was cut
+    for the first agent's, so a longer one ran past the model's positions)."""
     documents = synthetic.examples("multi_agent", 3, seed=6, questions_per_example=2)
-    scores = evaluate_agents(pair, [Native()], documents, SETTINGS)
+    scores = evaluate_agents(pair, [NoContext(), Native()], documents, SETTINGS)
     _, rows = report.split_predictions(dict(tasks=dict(multi_agent=dict(examples=3, methods=scores))))
+    rows = [r for r in rows if r["method"] == "native"]
     assert [(r["index"], r["agent"]) for r in rows] == [(d, k) for d in range(3) for k in range(2)]
     for row in rows:
         document, agent = documents[row["index"]], row["agent"]
         assert (row["task"], row["method"]) == ("multi_agent", "native")
         assert (row["question"], row["gold"]) == (document["questions"][agent], document["answers"][agent])
+        example = dict(context=document["context"], question=row["question"])
+        prefix = token_ids(pair.target_tokenizer, [prefix_text(example, False)], True)[0]
+        suffix, *others = (
+            token_ids(pair.target_tokenizer, [suffix_text(example, q)], False)[0]
+            for q in [row["question"], *document["questions"]]
+        )
+        prefix = prefix[: 512 - max(map(len, others)) - SETTINGS.max_new_tokens]  # the tiny model's 512 positions
+        out = generate(pair.target, jnp.asarray([prefix + suffix], jnp.int32), max_new_tokens=SETTINGS.max_new_tokens)
+        assert_answer_kept(row["generation"], decode_answers(pair.target_tokenizer, out, pair.target.config.eos_ids)[0])
     per_row = [metrics.f1(r["answer"], r["gold"]) for r in rows]
     assert [r["f1"] for r in rows] == per_row
     assert scores["native"]["f1"] == pytest.approx(np.mean(per_row))

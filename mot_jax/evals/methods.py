@@ -122,7 +122,8 @@ class NoContext(Method):
     def build(self, models, contexts, capacity, watch):
         texts = [instruction(e, contexts.closed) for e in contexts.examples]
         ids, mask = padded(token_ids(models.target_tokenizer, texts, True), SUFFIX_BUCKET)
-        cache = watch.lap("prefill", prefill(models.target, ids, mask, capacity=capacity)[1])
+        room = capacity - contexts.length  # what the question and the answer need (the instruction may be longer)
+        cache = watch.lap("prefill", prefill(models.target, ids, mask, capacity=ids.shape[1] + room)[1])
         return cache, np.zeros(len(texts), np.int64)
 
 

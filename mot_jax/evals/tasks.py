@@ -293,30 +293,35 @@ def evaluate_agents(models, methods, documents, settings: Settings, progress=Non
     the target KV bytes the agents hold for the document.
     """
     agents = min(len(d["questions"]) for d in documents)
-    examples = [dict(context=d["context"], question=d["questions"][0]) for d in documents]
+
+    def longest(document):  # every agent reads the one context, cut to leave room for the longest question
+        tokens = lambda q: token_ids(models.target_tokenizer, [suffix_text(document, q, chat=settings.chat)], False)
+        return max(document["questions"][:agents], key=lambda q: len(tokens(q)[0]))
+
+    examples = [dict(context=d["context"], question=longest(d)) for d in documents]
     eos = tuple(models.target.config.eos_ids)
     lines = line_flags(models.target_tokenizer, models.target.config.vocab_size)
     scores, predictions = {m.name: [] for m in methods}, {m.name: [] for m in methods}
     per_agent = [[d["questions"][k] for d in documents] for k in range(agents)]
     donors = wants_donors(methods)
-    suffix_batches = [list(batches(models, examples, settings, questions, donors)) for questions in per_agent]
-    for index, (contexts, _, _) in enumerate(suffix_batches[0]):
+    suffix_batches = [list(batches(models, examples, settings, questions)) for questions in per_agent]
+    for index, (contexts, _, _) in enumerate(batches(models, examples, settings, donors=donors)):
         suffixes = [agent_batches[index][1:] for agent_batches in suffix_batches]
         capacity = contexts.length + max(s[0].shape[1] for s in suffixes) + settings.max_new_tokens
-        for method in methods:
-            cache, _ = method.build(models, contexts, capacity, Stopwatch())
-            for k, (suffix_ids, suffix_mask) in enumerate(suffixes):  # every agent reuses the one cache
-                out = generate_from_cache(
-                    models.target,
-                    cache,
-                    suffix_ids,
-                    suffix_mask,
-                    max_new_tokens=settings.max_new_tokens,
-                    eos_ids=eos,
-                    lines=lines,
-                )
-                docs = documents[index * settings.batch_size :][: len(contexts.examples)]
-                texts = decode_answers(models.target_tokenizer, out, eos)
+        # every agent reads its question after the same caches, one per method, decoded as one batch
+        together = stack_rows([method.build(models, contexts, capacity, Stopwatch())[0] for method in methods])
+        docs = documents[index * settings.batch_size :][: len(contexts.examples)]
+        for k, (suffix_ids, suffix_mask) in enumerate(suffixes):
+            out = generate_from_cache(
+                models.target,
+                together,
+                *tiled(len(methods), suffix_ids, suffix_mask),
+                max_new_tokens=settings.max_new_tokens,
+                eos_ids=eos,
+                lines=lines,
+            )
+            for m, method in enumerate(methods):
+                texts = decode_answers(models.target_tokenizer, out[m * len(docs) : (m + 1) * len(docs)], eos)
                 for b, (text, doc) in enumerate(zip(texts, docs)):
                     answer_text = metrics.first_line(text)
                     score = metrics.f1(answer_text, doc["answers"][k])
