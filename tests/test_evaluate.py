@@ -526,6 +526,23 @@ def test_a_swapped_band_takes_those_layers_from_the_donors_native_cache(pair, mo
         run.evaluate("/nonexistent", small_config(diagnose="layers"))
 
 
+def test_each_timed_run_reads_the_source_and_runs_the_bottom_anew(pair, monkeypatch):
+    """A batch's shared reads (`Stopwatch.shared`) must not carry from one timed run to the next: the warm-up's
+    compile time would then be charged to every run."""
+    from mot_jax.evals import latency, methods
+    from mot_jax.translate import pipeline
+
+    calls = []
+    counted = lambda name, f: lambda *a, **k: calls.append(name) or f(*a, **k)
+    monkeypatch.setattr(pipeline, "source_prefill", counted("source", pipeline.source_prefill))
+    monkeypatch.setattr(methods, "bottom_run_jit", counted("bottom", methods.bottom_run_jit))
+    examples = synthetic.examples("extractive_qa", 2, seed=8)
+    contexts, suffix_ids, suffix_mask = next(batches(pair, examples, Settings(batch_size=1), donors=True))
+    method = Translated("MoT direct", direct_translator(pair), "-", 0)
+    stages = latency.timed(pair, method, contexts, suffix_ids, suffix_mask, SETTINGS, runs=2)
+    assert calls == ["source", "bottom"] * 3 and {"source_prefill", "target_bottom", "translation"} <= set(stages)
+
+
 def test_shuffled_source_alignment_is_carried_onto_this_rows_grid_by_position():
     """Row 0: 2 tokens from a donor's 4 take donor tokens 0 and 2; row 1: 6 tokens from 3 take 0, 0, 1, 1, 2, 2,
     and a source token aligned to donor token r goes to this row's first token that took r or later."""

@@ -211,7 +211,7 @@ class Translated(Method):
         key = ("source read", id(models.source), runs_source(spec), spec.attention_topk, *spec.source_hands.values())
         tokenizers = (models.source_tokenizer, models.target_tokenizer)
         read = watch.shared(
-            "source_prefill",
+            "source_prefill" if runs_source(spec) else "alignment",  # the source-free control runs no source
             whole.shared,
             key,
             lambda: read_source(spec, models.source, *tokenizers, whole.ids, whole.mask, BUCKET),

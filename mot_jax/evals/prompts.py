@@ -200,6 +200,12 @@ class Contexts:
     def length(self) -> int:
         return self.ids.shape[1]
 
+    def forget(self) -> None:
+        """Drop the results its rows share (`shared`, its whole batch's too), so that a timed build runs them anew."""
+        self.shared.clear()
+        if self.whole is not None:
+            self.whole.shared.clear()
+
     def some(self, rows) -> Contexts:
         """These contexts' rows `rows`, as a batch of their own that knows it is part of this one."""
         rows = np.asarray(rows)
