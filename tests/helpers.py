@@ -25,7 +25,8 @@ from flax import nnx
 from mot_jax.evals.config import defaults
 from mot_jax.models import gguf as mgguf
 from mot_jax.models import tiny
-from mot_jax.models.base import ModelConfig, decode_step
+from mot_jax.models.base import ModelConfig
+from mot_jax.models.generation import decode_step
 from mot_jax.models.registry import hf_state_dict
 from mot_jax.training import config as config_lib
 from mot_jax.training import loop

@@ -13,7 +13,7 @@ from flax import nnx
 from mot_jax.errors import MotJaxError
 from mot_jax.jit import jit
 from mot_jax.models import tiny
-from mot_jax.models.base import decode_step, generate, generate_from_cache
+from mot_jax.models.generation import decode_step, generate, generate_from_cache
 from mot_jax.models.loading import load_model
 from mot_jax.training import trained as trained_lib
 from mot_jax.translate.align import align_batch

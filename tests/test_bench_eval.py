@@ -37,7 +37,7 @@ def test_forward_flops_match_the_traced_prefill(family):
 
     from mot_jax.bench.train import matmul_flops
     from mot_jax.models import tiny
-    from mot_jax.models.base import _prefill
+    from mot_jax.models.generation import _prefill
 
     model = tiny.load(tiny.PREFIX + family)[0]
     cfg, t = model.config, 5

@@ -29,7 +29,7 @@ from mot_jax.export import weights
 from mot_jax.export.torch_pipeline import CachePipeline
 from mot_jax.export.torch_translator import KVTranslator as TorchKVTranslator
 from mot_jax.jit import jit
-from mot_jax.models.base import generate_from_cache, prefill
+from mot_jax.models.generation import generate_from_cache, prefill
 from mot_jax.translate import align as alignment_lib
 from mot_jax.translate.config import TranslatorConfig
 from mot_jax.translate.kinds import c2c

@@ -46,7 +46,7 @@ from mot_jax.evals.prompts import (
 )
 from mot_jax.evals.tasks import add_paired_controls, evaluate_agents, evaluate_examples
 from mot_jax.jit import jit
-from mot_jax.models.base import LINE_BREAK, LINE_TEXT, generate
+from mot_jax.models.generation import LINE_BREAK, LINE_TEXT, generate
 from mot_jax.progress import Progress
 from mot_jax.training.config import base, tiny
 from mot_jax.training.setup import load_pair
@@ -502,7 +502,7 @@ def test_a_swapped_band_takes_those_layers_from_the_donors_native_cache(pair, mo
     (the rows', the donors'); a bad diagnose is refused in one line."""
     from mot_jax.evals import methods
     from mot_jax.evals.methods import SwappedBand, bands
-    from mot_jax.models.base import prefill
+    from mot_jax.models.generation import prefill
 
     examples = synthetic.examples("extractive_qa", 2, seed=8)
     contexts, _, _ = next(batches(pair, examples, Settings(batch_size=2, budget=120), donors=True))

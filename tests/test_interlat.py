@@ -18,7 +18,7 @@ from mot_jax.evals import run
 from mot_jax.evals.methods import method_name
 from mot_jax.jit import jit
 from mot_jax.models import tiny
-from mot_jax.models.base import generate_from_cache, prefill
+from mot_jax.models.generation import generate_from_cache, prefill
 from mot_jax.translate import channels
 from mot_jax.translate.align import encode_texts, identity_alignment
 from mot_jax.translate.config import TranslatorConfig

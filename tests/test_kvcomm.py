@@ -33,7 +33,7 @@ from mot_jax.evals.kvcomm import (
 from mot_jax.evals.methods import Stopwatch, held_bytes
 from mot_jax.evals.prompts import Contexts
 from mot_jax.jit import jit
-from mot_jax.models.base import prefill
+from mot_jax.models.generation import prefill
 from mot_jax.models.loading import load_model
 from mot_jax.models.tiny import load as load_tiny
 

@@ -11,7 +11,7 @@ from flax import nnx
 from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from mot_jax.models import base, tiny
+from mot_jax.models import base, generation, tiny
 from mot_jax.models.layers import attention, param, rope_inv_freq
 from mot_jax.models.registry import FAMILIES, build_model
 
@@ -108,9 +108,9 @@ def test_bfloat16_prefill_compiles_every_dot_on_bf16_operands_into_f32(family, m
     model = build_model(FAMILIES[config["model_type"]][0].config_from_hf(config), jnp.bfloat16)
     monkeypatch.setattr(base, "PREFILL_BLOCK", 8)  # 16 tokens: two causal query blocks
     ids = jnp.ones((2, 16), jnp.int32)
-    dots = dots_of(base.prefill.lower(model, ids).compile().as_text())
+    dots = dots_of(generation.prefill.lower(model, ids).compile().as_text())
     # per layer q, k, v (or GPT-2's one packed projection), out, 2 or 3 MLP, 2 blocks x (scores, values); the head
     assert len(dots) >= 9, dots
     assert set(dots) == {("f32", "bf16", "bf16")}, dots
-    tokens = base.generate(model, ids, max_new_tokens=3)
+    tokens = generation.generate(model, ids, max_new_tokens=3)
     assert tokens.shape == (2, 3) and bool((tokens >= 0).all())

@@ -9,7 +9,8 @@ import pytest
 import torch
 from hf_reference import CONFIGS, padded_batch, run_reference, save_tiny
 
-from mot_jax.models.base import (
+from mot_jax.models.cache import stack_rows
+from mot_jax.models.generation import (
     LINE_BREAK,
     LINE_TEXT,
     TEXT_BEFORE_BREAK,
@@ -19,7 +20,6 @@ from mot_jax.models.base import (
     greedy_continue,
     prefill,
 )
-from mot_jax.models.cache import stack_rows
 from mot_jax.models.loading import load_model
 from mot_jax.models.registry import hf_state_dict
 

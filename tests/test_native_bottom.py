@@ -9,7 +9,7 @@ from flax import nnx
 from hf_reference import padded_batch, positions_for, run_reference
 
 from mot_jax.errors import MotJaxError
-from mot_jax.models.base import prefill
+from mot_jax.models.generation import prefill
 from mot_jax.translate import channels
 from mot_jax.translate.align import align_batch, identity_alignment
 from mot_jax.translate.pipeline import source_prefill, translate_jit

@@ -124,7 +124,7 @@ def bench_decode(ours, theirs, new_tokens, prompt, runs):
     import numpy as np
     import torch
 
-    from mot_jax.models.base import generate
+    from mot_jax.models.generation import generate
 
     ids = np.random.default_rng(1).integers(0, ours.config.vocab_size, size=(1, prompt))
 

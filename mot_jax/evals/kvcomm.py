@@ -39,7 +39,8 @@ from mot_jax.evals.config import kvcomm_defaults as defaults
 from mot_jax.evals.methods import Method, kv_bytes
 from mot_jax.evals.prompts import token_ids
 from mot_jax.jit import jit
-from mot_jax.models.base import LayerCache, first_valid_index, prefill
+from mot_jax.models.base import LayerCache, first_valid_index
+from mot_jax.models.generation import prefill
 from mot_jax.models.layers import GLOBAL_WINDOW, attention_weights
 
 # What must match for the target's attention to read the source's K/V as its own.

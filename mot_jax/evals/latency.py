@@ -9,7 +9,7 @@ import statistics
 from mot_jax.evals import synthetic
 from mot_jax.evals.methods import Native, Stopwatch, Translated, held_bytes
 from mot_jax.evals.prompts import Settings, batches, capacity_for
-from mot_jax.models.base import generate_from_cache_jit, prefill
+from mot_jax.models.generation import generate_from_cache_jit, prefill
 from mot_jax.translate.pipeline import read_source, source_prefill, translate_jit
 
 SUFFIX_ROOM = 64  # target positions a TTFT length leaves for the question suffix (besides the answer's)

@@ -37,7 +37,7 @@ from mot_jax.evals.prompts import (
     token_ids,
 )
 from mot_jax.jit import jit
-from mot_jax.models.base import generate, prefill
+from mot_jax.models.generation import generate, prefill
 from mot_jax.translate import kinds
 from mot_jax.translate.donors import carry, regrid
 from mot_jax.translate.pipeline import (

@@ -6,7 +6,7 @@ without special tokens (no BOS in the middle); greedy decoding, cut at the first
 
 Here: the prompt text, its tokens, the padded batches of contexts and suffixes (`batches`) and the jitted scoring
 of options after a context cache (`choice_logprob`), and the open answers with their gold answer's log-probability
-(`answer_and_logprob`; greedy decoding: `mot_jax.models.base.greedy_continue`). The methods that build the cache:
+(`answer_and_logprob`; greedy decoding: `mot_jax.models.generation.greedy_continue`). The methods that build the cache:
 `methods`.
 """
 
@@ -22,7 +22,8 @@ import numpy as np
 
 from mot_jax.errors import MotJaxError
 from mot_jax.jit import jit
-from mot_jax.models.base import LINE_BREAK, LINE_TEXT, TEXT_BEFORE_BREAK, greedy_continue, last_valid_index
+from mot_jax.models.base import last_valid_index
+from mot_jax.models.generation import LINE_BREAK, LINE_TEXT, TEXT_BEFORE_BREAK, check_room, greedy_continue
 from mot_jax.translate import align as alignment_lib
 from mot_jax.translate.donors import donor_indices
 
@@ -159,12 +160,7 @@ def answer_and_logprob(target, cache, suffix_ids, suffix_mask, gold_ids, gold_ma
     """(greedy answers [B, max_new_tokens] after the context cache and the suffix, as `generate_from_cache` gives
     them; the gold answer's mean log-probability per token [B], as `choice_logprob`) from one read of the suffix and
     the gold answer: the gold's slots are freed before decoding, so the answer never sees them."""
-    needed = int(cache.index) + suffix_ids.shape[1] + max(max_new_tokens, gold_ids.shape[1])
-    if needed > cache.capacity:
-        raise MotJaxError(
-            f"The cache has {cache.capacity} slots but the question and its answer need {needed}; build it with "
-            f"capacity >= {needed}."
-        )
+    check_room(cache, suffix_ids.shape[1] + max(max_new_tokens, gold_ids.shape[1]))
     args = (target, cache, suffix_ids, suffix_mask, gold_ids, gold_mask)
     return answer_and_logprob_jit(*args, max_new_tokens=max_new_tokens, eos_ids=eos_ids, lines=lines)
 

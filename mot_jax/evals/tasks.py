@@ -35,8 +35,8 @@ from mot_jax.evals.prompts import (
     suffix_text,
     token_ids,
 )
-from mot_jax.models.base import generate_from_cache
 from mot_jax.models.cache import stack_rows
+from mot_jax.models.generation import generate_from_cache
 
 
 @dataclasses.dataclass

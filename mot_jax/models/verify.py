@@ -69,7 +69,7 @@ def greedy_agreement(model, torch_model, input_ids, new_tokens):
     """How many of the `new_tokens` greedy tokens after `input_ids` [1, T] agree before the first difference."""
     import torch
 
-    from mot_jax.models.base import generate
+    from mot_jax.models.generation import generate
 
     ours = np.asarray(generate(model, jnp.asarray(input_ids), max_new_tokens=new_tokens, eos_ids=()))[0]
     with torch.no_grad():
