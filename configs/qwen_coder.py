@@ -21,6 +21,12 @@ none of the context; a least-squares-started linear map per 1.5B layer writes it
 un-rotated), trained on the 1.5B's prompt CE plus per-layer L1 on K and V, no MSE; the dial's data, steps and rate.
 `:kvp,tiny` runs it on the tiny random pair.
 
+`:questions` (with either) trains on question-shaped rows as well (issue 41's lever, after Cartridges): of each batch a
+quarter retrieval rows, a quarter span rows (a request quoting the passage, the next words as the answer), a quarter
+fact rows (records of invented ships, a request for one field), a quarter plain continuation
+(`mot_jax/training/questions.py`), in the target's chat turns, labelled on the answer alone; the loss adds the KL to
+the native 1.5B's next-token distributions over the labels.
+
 Time and result: the least-squares start alone (12 batches) takes 7 minutes on a 2-core CPU and answers below no
 context (docs/results/2026-12-04-evaluation-at-512.md); a trained run is not measured (the 1.5B's float32 forward
 over a 256-token batch of 4 is ~3 TFLOP); a GPU is the intended place for it.
@@ -30,7 +36,7 @@ from mot_jax.errors import MotJaxError
 from mot_jax.training.config import base, dial, tiny
 from mot_jax.translate import kinds
 
-CHOICES = ("reverse", "kvp", "tiny")
+CHOICES = ("reverse", "kvp", "questions", "tiny")
 SMALL, BIG = "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"
 
 
@@ -44,10 +50,15 @@ def get_config(arg=None):
     dial(c, native_bottom=6 if reverse else 7)
     if "kvp" in parts:  # the KV-Prediction recipe: no exact layers, the source's K/V alone, CE + per-layer L1
         kinds.apply_recipe(c, "kv_prediction")
+    if "questions" in parts:
+        c.data.update(copy_fraction=0.25, question_fraction=0.25, fact_fraction=0.25)
+        c.loss.distill_weight = 1.0
     if "tiny" in parts:
         families = ("qwen2-large", "qwen2") if reverse else ("qwen2", "qwen2-large")
         tiny(c, *families)
         c.translator.skip_fit_batches = 2
         if "kvp" not in parts:
             c.translator.native_bottom = 2  # of the tiny target's 4 or 6 layers
+        if "questions" in parts:  # room for the instruction, a record and a request
+            c.data.total_tokens, c.data.prefix_tokens, c.data.source_length = 320, 256, 320
     return c

@@ -91,11 +91,12 @@ def test_a_cached_run_resumes_exactly(tmp_path, monkeypatch):
 
 
 def test_refusals():
-    """feature_cache with the prompt CE, the KL or retrieval rows on is refused in one line saying why."""
+    """feature_cache with the prompt CE, the KL, retrieval or question rows on is refused in one line saying why."""
     for overrides, why in (
         ({"loss.ce_weight": 1.0}, "the prompt CE / KL run the target over the prompt"),
         ({"loss.distill_weight": 0.5}, "the prompt CE / KL run the target over the prompt"),
         ({"data.copy_fraction": 0.5}, "data.copy_fraction rewrites prompts per step"),
+        ({"data.fact_fraction": 0.5}, "data.fact_fraction rewrites prompts per step"),
     ):
         with pytest.raises(MotJaxError, match=f"^data.feature_cache=True .*{why}.*\\.$"):
             config_lib.check(kv_config(**overrides))

@@ -48,6 +48,7 @@ RUNS = [(n, "tiny") for n in CONFIGS] + [
     ("smollm2_gemma3.py", "direct,projector,tiny"),
     ("smollm2_gemma3.py", "direct,skip,tiny"),
     ("qwen_coder.py", "reverse,tiny"),
+    ("qwen_coder.py", "questions,tiny"),
 ]
 
 

@@ -28,6 +28,10 @@ def base() -> ml_collections.ConfigDict:
     c.data.prefix_tokens = 64
     c.data.source_length = 128  # static source context length (chunks whose source text is longer are skipped)
     c.data.copy_fraction = 0.0  # ours: the share of training rows whose prompt repeats a span of their context
+    # ours: shares of rows that ask about a span of their context (training/questions.py): span rows from the corpus
+    # chunk, fact rows about invented ships; labels on the answer alone
+    c.data.question_fraction = 0.0
+    c.data.fact_fraction = 0.0
     c.data.train_chunks = 0  # train on the chunk table's first N chunks only (0: all of it)
     # ours: a KV-space objective (loss.ce_weight=0, no distill) reads the frozen models' outputs per chunk from a
     # cache on disk, computed once, instead of running the frozen forwards every step (training/features.py)
@@ -205,8 +209,9 @@ def check(c: ml_collections.ConfigDict):
                 "prompt after the translated cache every step; pass --config.loss.ce_weight=0 "
                 "--config.loss.distill_weight=0, or data.feature_cache=False."
             )
-        if c.data.copy_fraction:
+        rewritten = [k for k in ("copy_fraction", "question_fraction", "fact_fraction") if c.data.get(k)]
+        if rewritten:
             raise MotJaxError(
-                "data.feature_cache=True stores each chunk's own prompt, but data.copy_fraction rewrites prompts per "
-                "step; pass --config.data.copy_fraction=0 (with no CE its retrieval rows change nothing else)."
+                f"data.feature_cache=True stores each chunk's own prompt, but data.{rewritten[0]} rewrites prompts per "
+                f"step; pass --config.data.{rewritten[0]}=0 (with no CE its rows change nothing else)."
             )

@@ -11,6 +11,9 @@ Retrieval rows (ours, `copy_fraction`): in that share of a training batch's rows
 row's own context (from a random start after its first token), so its labels can only be predicted by reading the
 exact tokens of the context, as an extractive answer is. Built from the corpus chunks alone, by this one rule
 (`copy_spans`), which also makes the closing held-out retrieval rows from the validation chunks (`retrieval_batches`).
+
+Question rows (ours, `question_fraction`, `fact_fraction`): a passage, a request about a span of it and that span as
+the answer, labels on the answer alone (`questions.py`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import numpy as np
 
 from mot_jax.errors import MotJaxError
 from mot_jax.training.chunk_table import DEFAULT_PREFIX_TOKENS
+from mot_jax.training.questions import QuestionRows
 from mot_jax.translate.align import Alignment, adapter, align_batch, register_pytree
 
 register_pytree()  # batches (with their alignment) are stacked and placed as pytrees
@@ -111,7 +115,8 @@ class Batches:
 
     `chunks` is a TextChunks (whose prefix_tokens is then the default) or an [N, T] array. `rows` (a slice of
     range(batch_size)) keeps only those rows of each batch: a process's share in a multi-process run. A
-    `copy_fraction` of the rows (drawn per position) become retrieval rows (`copy_spans`).
+    `copy_fraction` of the rows (drawn per position) become retrieval rows (`copy_spans`), and the next
+    `question_fraction` and `fact_fraction` of them question rows (`questions.py`).
     """
 
     def __init__(
@@ -126,6 +131,8 @@ class Batches:
         prefix_tokens: int | None = None,
         rows: slice = slice(None),
         copy_fraction: float = 0.0,
+        question_fraction: float = 0.0,
+        fact_fraction: float = 0.0,
     ):
         self.chunks = np.asarray(chunks)
         if self.chunks.ndim != 2 or not len(self.chunks):
@@ -145,6 +152,16 @@ class Batches:
                 "token context leaves none to copy and predict; raise data.prefix_tokens or set data.copy_fraction=0."
             )
         self.copy_fraction = copy_fraction
+        shares = (copy_fraction, question_fraction, fact_fraction)
+        if min(shares) < 0 or sum(shares) > 1:
+            raise MotJaxError(
+                f"copy_fraction, question_fraction and fact_fraction ({', '.join(map(str, shares))}) are shares of a "
+                "batch's rows; pass values of at least 0 that add up to at most 1."
+            )
+        self.question_shares = (question_fraction, fact_fraction)
+        self.questions = None
+        if question_fraction or fact_fraction:
+            self.questions = QuestionRows(target_tokenizer, self.prefix_tokens, self.chunks.shape[1])
         self.source_tokenizer, self.target_tokenizer = source_tokenizer, target_tokenizer
         self.source_length = source_length
         self._permutations: dict[int, np.ndarray] = {}
@@ -177,6 +194,9 @@ class Batches:
         if self.copy_fraction:
             rng = np.random.default_rng([self.seed, position, 1])
             rows, label_mask = copy_spans(rows, self.prefix_tokens, rng.random(len(rows)) < self.copy_fraction, rng)
+        if self.questions is not None:
+            rows, label_mask = self._question_rows(rows, label_mask, position)
+        if label_mask is not None:
             label_mask = label_mask[self.rows]
         return make_batch(
             rows[self.rows],
@@ -186,6 +206,22 @@ class Batches:
             self.source_length,
             label_mask,
         )
+
+    def _question_rows(self, rows, label_mask, position: int):
+        """The rows whose draw falls past the retrieval rows' share become question rows (`questions.py`): span
+        rows up to question_fraction more, fact rows up to fact_fraction more."""
+        rng = np.random.default_rng([self.seed, position, 3])
+        draw = np.random.default_rng([self.seed, position, 1]).random(len(rows))  # the retrieval rows' draw
+        rows = np.array(rows)
+        if label_mask is None:
+            label_mask = np.ones((len(rows), rows.shape[1] - self.prefix_tokens), bool)
+        edges = np.cumsum([self.copy_fraction, *self.question_shares])
+        for i in np.flatnonzero((draw >= edges[0]) & (draw < edges[2])):
+            if draw[i] < edges[1]:
+                rows[i], label_mask[i] = self.questions.span_row(rows[i][: self.prefix_tokens - 1], rng)
+            else:
+                rows[i], label_mask[i] = self.questions.fact_row(rng)
+        return rows, label_mask
 
 
 def validation_batches(

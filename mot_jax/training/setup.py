@@ -77,6 +77,8 @@ def make_datasets(config, pair: Pair, rows: slice = slice(None)) -> Datasets:
             **lengths,
             rows=rows,
             copy_fraction=config.data.copy_fraction,
+            question_fraction=config.data.get("question_fraction", 0.0),
+            fact_fraction=config.data.get("fact_fraction", 0.0),
         ),
         data.validation_batches(
             chunks("validation"), config.batch_size, **tokenizers, **lengths, max_batches=needed, rows=rows
