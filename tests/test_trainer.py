@@ -72,6 +72,18 @@ def test_linear_skip_fit_is_the_same_on_a_sharded_mesh():
         np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-3)
 
 
+def test_linear_skip_fit_takes_its_ridge_from_the_config():
+    """translator.skip_ridge reaches the fit: a ridge far above the inputs' variance shrinks the kernels to ~0."""
+    kernels = []
+    for ridge in (1e-3, 1e9):
+        c = tiny_config(mode="direct", rotary=True, output_activation="none", linear_skip=True)
+        c.translator.skip_ridge = ridge
+        trainer, pair = trainer_for(c, make_mesh(c), steps=1)
+        trainer.fit_linear_skip([tiny_batch(pair.source_tokenizer, pair.target_tokenizer, context=20)])
+        kernels.append(max(np.abs(trainer.state["params"][f"{n}_skip"]["kernel"][...]).max() for n in ("key", "value")))
+    assert kernels[1] < 1e-6 * kernels[0], kernels
+
+
 def test_batch_not_divisible_by_data_axis_is_refused():
     c = tiny_config()
     c.batch_size, c.mesh.data = 3, 2

@@ -78,6 +78,7 @@ def base() -> ml_collections.ConfigDict:
     # K/V projections, k-norm and RoPE turn into its K/V)
     c.translator.outputs = "kv"
     c.translator.skip_fit_batches = 8
+    c.translator.skip_ridge = 1e-3  # the fit's ridge, times the mean input variance (more: less fit to few batches)
     c.translator.sparse_attention = True  # replay: top-k attention from the source's attention (paper)
     c.translator.k_attn = 32
     c.translator.dense_bottom = 2
@@ -177,8 +178,8 @@ COUNTS = {
     "translator.num_experts": 1,
     "translator.top_k": 1,
 }
-# each loss term's weight: a negative one would train the translator to maximise that term
-WEIGHTS = [f"loss.{k}" for k in base().loss]
+# each loss term's weight (a negative one would train the translator to maximise that term) and the fit's ridge
+WEIGHTS = [f"loss.{k}" for k in base().loss] + ["translator.skip_ridge"]
 
 
 def lookup(c: ml_collections.ConfigDict, key: str):

@@ -184,9 +184,9 @@ class Trainer:
             part = jax.tree.map(lambda a: np.asarray(a, np.float64), part)
             totals = part if totals is None else jax.tree.map(np.add, totals, part)
         translator = nnx.merge(self.graphdef, self.state["params"])
-        errors = {}
+        errors, ridge = {}, self.config.translator.get("skip_ridge", 1e-3)  # runs saved before the key: its default
         for name in ("key", "value"):
-            kernel, bias, *errors[name] = solve_linear_skip(totals[name])
+            kernel, bias, *errors[name] = solve_linear_skip(totals[name], ridge)
             skip = getattr(translator, f"{name}_skip")
             for var, value in ((skip.kernel, kernel), (skip.bias, bias)):
                 var.set_value(jax.device_put(value.astype(var.dtype), var[...].sharding))
