@@ -25,6 +25,7 @@ from mot_jax.jit import jit
 from mot_jax.models.base import last_valid_index
 from mot_jax.models.generation import LINE_BREAK, LINE_TEXT, TEXT_BEFORE_BREAK, check_room, greedy_continue
 from mot_jax.translate import align as alignment_lib
+from mot_jax.translate.align import CHAT_TURNS, chat_turns
 from mot_jax.translate.donors import donor_indices
 
 INSTRUCTIONS = {
@@ -33,11 +34,6 @@ INSTRUCTIONS = {
     "closed": "Read the passage and answer the question with one of the options only.",
 }
 SUMMARY_REQUEST = "Summarize this passage in a few sentences, keeping every name, place and number."
-# chat formats, by the special token that marks them: (user turn opening, user turn close + assistant turn opening)
-CHAT_TURNS = {
-    "<|im_start|>": ("<|im_start|>user\n", "<|im_end|>\n<|im_start|>assistant\n"),  # ChatML: SmolLM2, Qwen
-    "<start_of_turn>": ("<start_of_turn>user\n", "<end_of_turn>\n<start_of_turn>model\n"),  # Gemma
-}
 INSTRUCT_NAMES = ("instruct", "-it", "chat")  # a model name with one of these is chat-tuned
 CHAT_SETTINGS = ("auto", "on", "off")
 BUCKET, SUFFIX_BUCKET = 16, 8  # padded lengths: jitted code compiles once per bucket, not once per batch
@@ -46,12 +42,6 @@ BUCKET, SUFFIX_BUCKET = 16, 8  # padded lengths: jitted code compiles once per b
 def instruction(example: dict, closed: bool) -> str:
     extra = example.get("instruction")
     return INSTRUCTIONS["closed" if closed else "extractive"] + (f" {extra}" if extra else "")
-
-
-def chat_turns(tokenizer) -> tuple[str, str] | None:
-    """The tokenizer's chat format (`CHAT_TURNS`), None when it knows none of them."""
-    backend = alignment_lib.adapter(tokenizer).backend
-    return next((turns for marker, turns in CHAT_TURNS.items() if backend.token_to_id(marker) is not None), None)
 
 
 def target_chat(setting: str, target_name: str, tokenizer) -> tuple[str, str] | None:

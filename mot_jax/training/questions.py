@@ -20,8 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from mot_jax.errors import MotJaxError
-from mot_jax.evals.prompts import chat_turns
-from mot_jax.translate.align import adapter
+from mot_jax.translate.align import adapter, chat_turns
 
 INSTRUCTION = "Below is a text. Reply to the request that follows it with words copied from the text.\nText: "
 SPAN_QUESTION = ('\nRequest: quote the words that come right after "', '" in the text.')
@@ -78,8 +77,7 @@ class QuestionRows:
         self.context_len, self.prompt_len = prefix_tokens - 1, total_tokens - prefix_tokens + 1
         turns = chat_turns(tokenizer)
         self.opening, self.close = turns if turns else ("", "\nReply: ")
-        end = {"<|im_start|>user\n": "<|im_end|>", "<start_of_turn>user\n": "<end_of_turn>"}.get(self.opening)
-        self.end = self.ids(end) if end else self.ids("\n")
+        self.end = self.ids(self.close.split("\n")[0] if turns else "\n")  # the user turn's end closes the answer
         self.head = self.ids(self.opening + INSTRUCTION, specials=True)
         if len(self.head) + CUE_TOKENS + SPAN_TOKENS + 1 > self.context_len:
             raise MotJaxError(

@@ -91,6 +91,19 @@ def same_tokenizer(a, b) -> bool:
     return a is b or _fingerprint(a) == _fingerprint(b)
 
 
+# chat formats, by the special token that marks them: (user turn opening, user turn close + assistant turn opening)
+CHAT_TURNS = {
+    "<|im_start|>": ("<|im_start|>user\n", "<|im_end|>\n<|im_start|>assistant\n"),  # ChatML: SmolLM2, Qwen
+    "<start_of_turn>": ("<start_of_turn>user\n", "<end_of_turn>\n<start_of_turn>model\n"),  # Gemma
+}
+
+
+def chat_turns(tokenizer) -> tuple[str, str] | None:
+    """The tokenizer's chat format (`CHAT_TURNS`), None when it knows none of them."""
+    backend = adapter(tokenizer).backend
+    return next((turns for marker, turns in CHAT_TURNS.items() if backend.token_to_id(marker) is not None), None)
+
+
 def encode_texts(tokenizer, texts):
     """Right-padded target ids [B, T] and mask of texts, with the tokenizer's own special tokens (e.g. a BOS)."""
     encoded = [e.ids for e in adapter(tokenizer).backend.encode_batch(list(texts))]
