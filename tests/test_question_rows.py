@@ -137,3 +137,8 @@ def test_fact_rows_share_no_name_or_template_with_the_evaluation(chunks, tokeniz
     assert not shared, sorted(shared)[:5]
     syllables = synthetic._ONSETS + synthetic._VOWELS + synthetic._CODAS
     assert not any(c in "wy" for s in syllables for c in s)  # so no evaluation name can hold a "w" or "y"
+
+
+def test_a_prompt_too_short_for_the_request_is_refused(chunks, tokenizer):
+    with pytest.raises(MotJaxError, match="chunk holds after its context; raise data.total_tokens"):
+        data.Batches(chunks[:, :200], B, 7, tokenizer, tokenizer, 2 * T, prefix_tokens=P, fact_fraction=0.5)

@@ -97,8 +97,8 @@ class QuestionRows:
         prompt = request + answer
         if len(prompt) > self.prompt_len:
             raise MotJaxError(
-                f"A question row's request and answer take {len(prompt)} tokens, more than the {self.prompt_len - 1} "
-                "prompt tokens a chunk holds; raise data.total_tokens - data.prefix_tokens."
+                f"A question row's request and answer take {len(prompt)} tokens, more than the {self.prompt_len} a "
+                "chunk holds after its context; raise data.total_tokens - data.prefix_tokens."
             )
         pad = self.prompt_len - len(prompt)
         row = np.array(context + prompt + self.end * pad, np.int32)  # padding past the answer: never a label
