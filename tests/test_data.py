@@ -400,5 +400,5 @@ def test_held_out_retrieval_rows_are_their_own_chunks_repeating_their_context(ch
 def test_retrieval_rows_need_a_context_to_copy(chunks, target, source):
     with pytest.raises(MotJaxError, match="leaves none to copy"):
         data.Batches(chunks.chunks, B, 7, source, target, S, prefix_tokens=3, copy_fraction=0.5)
-    with pytest.raises(MotJaxError, match="not a fraction"):
+    with pytest.raises(MotJaxError, match=r"\(1.5, 0.0, 0.0\) are shares of a batch's rows; pass values of at least 0"):
         data.Batches(chunks, B, 7, source, target, S, copy_fraction=1.5)

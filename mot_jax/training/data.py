@@ -144,20 +144,18 @@ class Batches:
             )
         self.batch_size, self.seed, self.rows = batch_size, seed, rows
         self.prefix_tokens = _prefix_tokens(chunks, prefix_tokens)
-        if not 0.0 <= copy_fraction <= 1.0:
-            raise MotJaxError(f"copy_fraction={copy_fraction} is not a fraction; pass a value in [0, 1].")
-        if copy_fraction and self.prefix_tokens < 4:
-            raise MotJaxError(
-                f"Retrieval rows copy a span of the context after its first token, and a {self.prefix_tokens - 1}-"
-                "token context leaves none to copy and predict; raise data.prefix_tokens or set data.copy_fraction=0."
-            )
-        self.copy_fraction = copy_fraction
         shares = (copy_fraction, question_fraction, fact_fraction)
         if min(shares) < 0 or sum(shares) > 1:
             raise MotJaxError(
                 f"copy_fraction, question_fraction and fact_fraction ({', '.join(map(str, shares))}) are shares of a "
                 "batch's rows; pass values of at least 0 that add up to at most 1."
             )
+        if copy_fraction and self.prefix_tokens < 4:
+            raise MotJaxError(
+                f"Retrieval rows copy a span of the context after its first token, and a {self.prefix_tokens - 1}-"
+                "token context leaves none to copy and predict; raise data.prefix_tokens or set data.copy_fraction=0."
+            )
+        self.copy_fraction = copy_fraction
         self.question_shares = (question_fraction, fact_fraction)
         self.questions = None
         if question_fraction or fact_fraction:
@@ -191,11 +189,12 @@ class Batches:
 
     def batch(self, position: int) -> Batch:
         rows, label_mask = self.chunks[self.indices(position)], None
+        rng = np.random.default_rng([self.seed, position, 1])
+        draw = rng.random(len(rows))  # each row's kind: retrieval below copy_fraction, then the question shares
         if self.copy_fraction:
-            rng = np.random.default_rng([self.seed, position, 1])
-            rows, label_mask = copy_spans(rows, self.prefix_tokens, rng.random(len(rows)) < self.copy_fraction, rng)
+            rows, label_mask = copy_spans(rows, self.prefix_tokens, draw < self.copy_fraction, rng)
         if self.questions is not None:
-            rows, label_mask = self._question_rows(rows, label_mask, position)
+            rows, label_mask = self._question_rows(rows, label_mask, draw, position)
         if label_mask is not None:
             label_mask = label_mask[self.rows]
         return make_batch(
@@ -207,11 +206,10 @@ class Batches:
             label_mask,
         )
 
-    def _question_rows(self, rows, label_mask, position: int):
-        """The rows whose draw falls past the retrieval rows' share become question rows (`questions.py`): span
+    def _question_rows(self, rows, label_mask, draw, position: int):
+        """The rows whose `draw` falls past the retrieval rows' share become question rows (`questions.py`): span
         rows up to question_fraction more, fact rows up to fact_fraction more."""
         rng = np.random.default_rng([self.seed, position, 3])
-        draw = np.random.default_rng([self.seed, position, 1]).random(len(rows))  # the retrieval rows' draw
         rows = np.array(rows)
         if label_mask is None:
             label_mask = np.ones((len(rows), rows.shape[1] - self.prefix_tokens), bool)
