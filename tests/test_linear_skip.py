@@ -11,7 +11,7 @@ from helpers import tiny_batch
 from mot_jax.jit import jit
 from mot_jax.training import objective
 from mot_jax.translate import channels
-from mot_jax.translate.linear_skip import linear_skip_sums, solve_linear_skip
+from mot_jax.translate.linear_skip import RIDGE_GRID, choose_ridge, held_out_error, linear_skip_sums, solve_linear_skip
 from mot_jax.translate.spec import TranslationSpec
 from mot_jax.translate.translator import KVTranslator, mixture_config
 from mot_jax.translate.window import run_native_bottom, translate_window
@@ -91,3 +91,41 @@ def test_least_squares_skip_minimises_the_translated_kv_error(pair, mode, rotary
         assert after[i] < 0.9 * before[i], (name, before[i], after[i])
         skip = f"{name}_skip"
         assert optax.global_norm(at_fit[skip]) < 1e-3 * optax.global_norm(at_zero[skip]), name
+
+
+def statistics(x, r):
+    """`linear_skip_sums`'s statistics of explicit samples x [N, W, ds], r [N, W, dt], by their definition."""
+    return dict(
+        n=len(x),
+        x=x.sum(0),
+        r=r.sum(0),
+        rr=np.square(r).sum((0, 2)),
+        xx=np.einsum("nwi,nwj->wij", x, x),
+        xr=np.einsum("nwi,nwo->wio", x, r),
+    )
+
+
+def test_held_out_error_from_statistics_is_the_residual_of_the_samples():
+    rng = np.random.default_rng(0)
+    x, r = rng.normal(size=(50, 3, 4)) + 1.0, rng.normal(size=(50, 3, 2))
+    kernel, bias = rng.normal(size=(3, 4, 2)), rng.normal(size=(3, 2))
+    residual = r - np.einsum("nwi,wio->nwo", x, kernel) - bias
+    np.testing.assert_allclose(held_out_error(statistics(x, r), kernel, bias), np.square(residual).mean((0, 2)))
+
+
+def test_each_layer_gets_the_ridge_its_held_out_batches_want():
+    """Layer 0's target is an exact linear map of its inputs (the smallest ridge fits it best), layer 1's is noise
+    independent of them (the fit of 12 samples on 8 inputs only overfits: the largest ridge wins); the solve at the
+    chosen ridges leaves the reported held-out error on the held-out samples."""
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(200, 2, 8))
+    r = np.stack([x[:, 0] @ rng.normal(size=(8, 3)), rng.normal(size=(200, 3))], axis=1)
+    fit, held = statistics(x[:12], r[:12]), statistics(x[12:], r[12:])
+    ridges = 1e-3 * RIDGE_GRID
+    chosen, errors = choose_ridge(fit, held, ridges)
+    assert errors.shape == (len(ridges), 2) and list(chosen) == [ridges[0], ridges[-1]], chosen
+    error = errors.min(0)
+    kernel, bias = solve_linear_skip(fit, chosen)[:2]
+    residual = r[12:] - np.einsum("nwi,wio->nwo", x[12:], kernel) - bias
+    np.testing.assert_allclose(error, np.square(residual).mean((0, 2)))
+    assert error[0] < 1e-4 < 0.9 < error[1]

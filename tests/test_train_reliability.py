@@ -55,6 +55,13 @@ def test_negative_loss_weights_are_refused(tmp_path, key):
     assert not (tmp_path / "run").exists()
 
 
+def test_holding_out_every_fit_batch_is_refused(tmp_path):
+    config = load_config(**{"translator.skip_fit_batches": 4, "translator.skip_ridge_held_out": 4})
+    with pytest.raises(MotJaxError, match=r"^translator.skip_ridge_held_out=4 leaves none of .*skip_fit_batches=4 "):
+        loop.train_and_evaluate(config, tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
 def test_an_empty_workdir_is_refused_not_the_current_directory(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     for workdir in ("", " "):

@@ -10,6 +10,7 @@ from helpers import Fixed, tiny_batch, tiny_config, trainer_for
 from mot_jax.errors import MotJaxError
 from mot_jax.training.setup import make_mesh
 from mot_jax.training.trainer import fit
+from mot_jax.translate.linear_skip import RIDGE_GRID, solve_linear_skip
 
 
 @pytest.mark.parametrize("mode", ["replay", "direct"])
@@ -62,9 +63,9 @@ def test_linear_skip_fit_is_the_same_on_a_sharded_mesh():
             tiny_batch(pair.source_tokenizer, pair.target_tokenizer, batch=4, context=20, offset=4 * i)
             for i in range(3)
         ]
-        errors = trainer.fit_linear_skip(batches)
-        for before, after in errors.values():
-            assert after < 0.9 * before, errors
+        results = trainer.fit_linear_skip(batches)
+        for result in results.values():
+            assert result["after"] < 0.9 * result["before"], results
         params = trainer.state["params"]
         fitted.append(jax.device_get({name: params[f"{name}_skip"] for name in ("key", "value")}))
     for a, b in zip(jax.tree.leaves(fitted[0]), jax.tree.leaves(fitted[1]), strict=True):
@@ -82,6 +83,23 @@ def test_linear_skip_fit_takes_its_ridge_from_the_config():
         trainer.fit_linear_skip([tiny_batch(pair.source_tokenizer, pair.target_tokenizer, context=20)])
         kernels.append(max(np.abs(trainer.state["params"][f"{n}_skip"]["kernel"][...]).max() for n in ("key", "value")))
     assert kernels[1] < 1e-6 * kernels[0], kernels
+
+
+def test_linear_skip_fit_chooses_each_layers_ridge_on_held_out_batches_then_fits_on_all():
+    """With held-out batches, each layer's ridge comes from the grid, and the skips are the fit on every batch at those
+    ridges (the same as summing all the batches' statistics and solving)."""
+    c = tiny_config(mode="direct", rotary=True, output_activation="none", linear_skip=True)
+    trainer, pair = trainer_for(c, make_mesh(c), steps=1)
+    batches = [tiny_batch(pair.source_tokenizer, pair.target_tokenizer, context=20, offset=2 * i) for i in range(3)]
+    results = trainer.fit_linear_skip(batches[:2], held_out=batches[2:])
+    totals = trainer.skip_statistics(batches)
+    for name, result in results.items():
+        assert set(result["ridge"]) <= set(c.translator.skip_ridge * RIDGE_GRID)
+        assert result["held_out"].shape == (len(RIDGE_GRID), *result["ridge"].shape) and (result["held_out"] > 0).all()
+        kernel, bias = solve_linear_skip(totals[name], result["ridge"])[:2]
+        skip = trainer.state["params"][f"{name}_skip"]
+        np.testing.assert_allclose(skip["kernel"][...], kernel, atol=1e-5, rtol=1e-4)
+        np.testing.assert_allclose(skip["bias"][...], bias, atol=1e-5, rtol=1e-4)
 
 
 def test_batch_not_divisible_by_data_axis_is_refused():

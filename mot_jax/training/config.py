@@ -79,6 +79,9 @@ def base() -> ml_collections.ConfigDict:
     c.translator.outputs = "kv"
     c.translator.skip_fit_batches = 8
     c.translator.skip_ridge = 1e-3  # the fit's ridge, times the mean input variance (more: less fit to few batches)
+    # the last N of the fit batches held out to choose each layer's ridge from skip_ridge x 1, 10, ..., 1e4 by the
+    # error it leaves on them (then the fit uses them too); 0: skip_ridge as given
+    c.translator.skip_ridge_held_out = 0
     c.translator.sparse_attention = True  # replay: top-k attention from the source's attention (paper)
     c.translator.k_attn = 32
     c.translator.dense_bottom = 2
@@ -177,6 +180,7 @@ COUNTS = {
     "translator.heads": 1,
     "translator.num_experts": 1,
     "translator.top_k": 1,
+    "translator.skip_ridge_held_out": 0,
 }
 # each loss term's weight (a negative one would train the translator to maximise that term) and the fit's ridge
 WEIGHTS = [f"loss.{k}" for k in base().loss] + ["translator.skip_ridge"]
@@ -203,6 +207,12 @@ def check(c: ml_collections.ConfigDict):
             raise MotJaxError(
                 f"{key}={value!r} must be a finite number of at least 0; pass --config.{key}=W with W >= 0."
             )
+    held_out, fit_batches = c.translator.skip_ridge_held_out, c.translator.skip_fit_batches
+    if held_out and held_out >= fit_batches:
+        raise MotJaxError(
+            f"translator.skip_ridge_held_out={held_out} leaves none of translator.skip_fit_batches={fit_batches} to "
+            f"fit on; pass a number below {fit_batches}, or raise skip_fit_batches."
+        )
     if c.data.get("feature_cache"):
         if c.loss.get("ce_weight", 1.0) or c.loss.distill_weight:
             raise MotJaxError(

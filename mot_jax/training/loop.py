@@ -157,7 +157,8 @@ def train_in(workdir, config, mesh, pair: Pair, datasets: Datasets, checkpoints:
         best_step = checkpoints.best.latest_step()
     else:
         if tcfg.linear_skip:
-            start_linear_skip(trainer, datasets.train, config.translator.skip_fit_batches)
+            t = config.translator
+            start_linear_skip(trainer, datasets.train, t.skip_fit_batches, t.get("skip_ridge_held_out", 0))
         initial = trainer.evaluate(validation, progress="Validation loss, untrained") | dict(
             held_out_ce=trainer.evaluate(held_out, progress="Held-out CE, untrained")["ce"],
             held_out_retrieval_ce=trainer.evaluate(retrieval, progress="Held-out retrieval CE, untrained")["ce"],

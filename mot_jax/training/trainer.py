@@ -9,6 +9,7 @@ its gradient for every micro-batch (a scan: gradient accumulation) and one AdamW
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import time
 
@@ -29,7 +30,7 @@ from mot_jax.training.optim import adamw
 from mot_jax.training.setup import Pair
 from mot_jax.translate import kinds
 from mot_jax.translate.donors import donor_indices, regrid
-from mot_jax.translate.linear_skip import linear_skip_sums, solve_linear_skip
+from mot_jax.translate.linear_skip import RIDGE_GRID, choose_ridge, linear_skip_sums, solve_linear_skip
 from mot_jax.translate.translator import KVTranslator
 
 
@@ -175,23 +176,39 @@ class Trainer:
             results["shuffled"] = self.evaluate(shuffled, progress=progress and f"{progress}, shuffled source")["ce"]
         return results
 
-    def fit_linear_skip(self, batches) -> dict:
-        """Set the K and V linear skips to the least-squares fit of the native K/V left over by the (untrained)
-        mixtures on `batches`; returns {"key"/"value": (residual MSE before, after)} on those batches."""
-        totals = None  # added up batch by batch: one batch's products can take hundreds of MB
+    def skip_statistics(self, batches) -> dict:
+        """The least-squares start's statistics (`linear_skip_sums`) added up over `batches`, in float64 on the host."""
+        totals = None  # added up batch by batch, in place: one batch's products can take hundreds of MB
         for b in batches:
             part = jax.device_get(self._skip_sums(self.state["params"], self.llm_states, self.place(b, micro=False)))
-            part = jax.tree.map(lambda a: np.asarray(a, np.float64), part)
-            totals = part if totals is None else jax.tree.map(np.add, totals, part)
+            if totals is None:
+                totals = jax.tree.map(lambda a: np.asarray(a, np.float64), part)
+            else:
+                jax.tree.map(lambda total, a: np.add(total, a, out=total), totals, part)
+        return totals
+
+    def fit_linear_skip(self, batches, held_out=()) -> dict:
+        """Set the K and V linear skips to the least-squares fit of the native K/V left over by the (untrained)
+        mixtures on `batches`. With `held_out` batches, each window layer's ridge is the one of
+        translator.skip_ridge x `RIDGE_GRID` that leaves the least error on them, and the fit then uses them too.
+        Returns per "key"/"value" the residual MSE `before` and `after` the fit on the fitted batches, each layer's
+        `ridge` and (with held-out batches) the `held_out` error [G, W] of each ridge of the grid, before the refit."""
+        totals = self.skip_statistics(batches)
+        held = self.skip_statistics(held_out)
+        ridge = self.config.translator.get("skip_ridge", 1e-3)  # runs saved before the key: its default
         translator = nnx.merge(self.graphdef, self.state["params"])
-        errors, ridge = {}, self.config.translator.get("skip_ridge", 1e-3)  # runs saved before the key: its default
+        results = {}
         for name in ("key", "value"):
-            kernel, bias, *errors[name] = solve_linear_skip(totals[name], ridge)
+            result = results[name] = dict(ridge=np.full(totals[name]["rr"].shape, ridge), held_out=None)
+            if held:  # each ridge's held-out error [G, W], G = RIDGE_GRID's ridges
+                result["ridge"], result["held_out"] = choose_ridge(totals[name], held[name], ridge * RIDGE_GRID)
+                jax.tree.map(lambda total, a: np.add(total, a, out=total), totals[name], held[name])
+            kernel, bias, result["before"], result["after"] = solve_linear_skip(totals[name], result["ridge"])
             skip = getattr(translator, f"{name}_skip")
             for var, value in ((skip.kernel, kernel), (skip.bias, bias)):
                 var.set_value(jax.device_put(value.astype(var.dtype), var[...].sharding))
         self.state["params"] = nnx.state(translator, nnx.Param)
-        return errors
+        return results
 
 
 def shuffled_source(batches: list) -> list | None:
@@ -250,23 +267,37 @@ def fit(trainer: Trainer, stream, start: int, steps: int, on_step=None):
         micro_batches.close()
 
 
-def start_linear_skip(trainer: Trainer, stream, num_batches: int):
-    """The least-squares start of the linear skips, on the first `num_batches` training batches (logged)."""
+def start_linear_skip(trainer: Trainer, stream, num_batches: int, held_out: int = 0):
+    """The least-squares start of the linear skips, on the first `num_batches` training batches, the last `held_out`
+    of them first held out to choose each layer's ridge (logged)."""
     if num_batches < 1:
         raise MotJaxError(
             f"translator.skip_fit_batches={num_batches} leaves nothing to fit the linear skip on; pass at least 1."
         )
     began = time.perf_counter()
-    batches = (stream.batch(i) for i in range(num_batches))
-    errors = trainer.fit_linear_skip(metered(batches, "Least-squares fit of the linear skip", total=num_batches))
+    batches = metered(
+        (stream.batch(i) for i in range(num_batches)), "Least-squares fit of the linear skip", total=num_batches
+    )
+    results = trainer.fit_linear_skip(itertools.islice(batches, num_batches - held_out), batches)
     logging.info(
         "Linear skip fitted by least squares on %d batches in %.0f s: mean squared error of K %.4f -> %.4f, V %.4f -> "
         "%.4f",
         num_batches,
         time.perf_counter() - began,
-        *errors["key"],
-        *errors["value"],
+        *(results[name][when] for name in ("key", "value") for when in ("before", "after")),
     )
+    for name, result in results.items():
+        if result["held_out"] is not None:
+            errors = result["held_out"]
+            logging.info(
+                "%s ridge per layer (x the mean input variance), chosen on %d held-out batches: %s; held-out mean "
+                "squared error %.4f at translator.skip_ridge, %.4f at the chosen ridges",
+                name,
+                held_out,
+                " ".join(f"{r:g}" for r in result["ridge"]),
+                errors[0].mean(),
+                errors.min(0).mean(),
+            )
 
 
 def count_params(params) -> int:

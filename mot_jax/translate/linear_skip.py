@@ -3,7 +3,8 @@ target's native K/V, per window layer (`KVTranslator` with `cfg.linear_skip`; `T
 `key_skip` and `value_skip` to the fit).
 
 `linear_skip_sums` takes one batch's sufficient statistics (jittable, added over batches); `solve_linear_skip` solves
-the ridge-regularised least squares from them on the host.
+the ridge-regularised least squares from them on the host, and `choose_ridge` picks each layer's ridge by the error it
+leaves on held-out batches' statistics.
 """
 
 from __future__ import annotations
@@ -54,20 +55,41 @@ def linear_skip_sums(
     return sums
 
 
-def solve_linear_skip(sums: dict, ridge: float = 1e-3):
+def solve_linear_skip(sums: dict, ridge=1e-3):
     """Least squares from summed statistics (`linear_skip_sums`, added over batches): per window layer the kernel and
-    bias minimising the mean squared residual, with a ridge of `ridge` x the mean input variance for stability.
-    Returns (kernel [W, ds, dt], bias [W, dt], residual MSE before, after), in float64."""
+    bias minimising the mean squared residual, with a ridge of `ridge` (one number, or one per window layer) x the
+    layer's mean input variance for stability. Returns (kernel [W, ds, dt], bias [W, dt], residual MSE before, after),
+    in float64."""
     n = float(sums["n"])
     mx, mr = np.asarray(sums["x"], np.float64) / n, np.asarray(sums["r"], np.float64) / n
     cov = np.asarray(sums["xx"], np.float64) / n - mx[:, :, None] * mx[:, None, :]
     cross = np.asarray(sums["xr"], np.float64) / n - mx[:, :, None] * mr[:, None, :]
-    eye = np.eye(cov.shape[-1])
-    reg = ridge * np.trace(cov, axis1=1, axis2=2)[:, None, None] / cov.shape[-1] * eye
-    kernel = np.linalg.solve(cov + reg, cross)
+    scale = np.reshape(ridge, (-1, 1, 1)) * np.trace(cov, axis1=1, axis2=2)[:, None, None] / cov.shape[-1]
+    kernel = np.linalg.solve(cov + scale * np.eye(cov.shape[-1]), cross)
     bias = mr - np.einsum("wi,wio->wo", mx, kernel)
     before = np.asarray(sums["rr"], np.float64).sum() / n / mr.size  # mean of r^2 over tokens, layers, channels
     # the fit removes the mean of r (bias) and the part of its variance that x explains
-    explained = 2 * np.einsum("wio,wio->", cross, kernel) - np.einsum("wio,wij,wjo->", kernel, cov, kernel)
+    explained = 2 * np.vdot(cross, kernel) - np.vdot(kernel, cov @ kernel)
     after = before - (np.square(mr).sum() + explained) / mr.size
     return kernel, bias, before, after
+
+
+def held_out_error(sums: dict, kernel, bias):
+    """Per window layer [W], the mean squared residual left by (`kernel`, `bias`) on the tokens summed in `sums`
+    (other batches than the fit's), from the statistics alone."""
+    n = float(sums["n"])
+    xx, xr, x, r, rr = (np.asarray(sums[k], np.float64) for k in ("xx", "xr", "x", "r", "rr"))
+    total = rr - 2 * ((xr * kernel).sum((1, 2)) + (r * bias).sum(1))  # sum of (r - x K - b)^2, expanded
+    total += (kernel * (xx @ kernel)).sum((1, 2)) + 2 * np.einsum("wo,wi,wio->w", bias, x, kernel, optimize=True)
+    return (total + n * np.square(bias).sum(1)) / n / bias.shape[1]
+
+
+# the ridges tried per layer when some fit batches are held out to choose it: these times translator.skip_ridge
+RIDGE_GRID = 10.0 ** np.arange(5)
+
+
+def choose_ridge(fit: dict, held: dict, ridges) -> tuple[np.ndarray, np.ndarray]:
+    """Per window layer, the ridge of `ridges` whose fit on the sums `fit` leaves the least error on the held-out sums
+    `held`: (ridge [W], the held-out mean squared error of every ridge [G, W])."""
+    errors = np.stack([held_out_error(held, *solve_linear_skip(fit, ridge)[:2]) for ridge in ridges])
+    return np.asarray(ridges, np.float64)[errors.argmin(0)], errors
