@@ -114,3 +114,37 @@ def test_bfloat16_prefill_compiles_every_dot_on_bf16_operands_into_f32(family, m
     assert set(dots) == {("f32", "bf16", "bf16")}, dots
     tokens = generation.generate(model, ids, max_new_tokens=3)
     assert tokens.shape == (2, 3) and bool((tokens >= 0).all())
+
+
+def f32_copies(hlo: str, shapes) -> list[str]:
+    """Instructions outside fusion bodies (whose elements XLA computes where they are read) that make an f32 array
+    of one of `shapes`: a weight, table or cache copied to f32 whole."""
+    bodies = set(re.findall(r"calls=%([\w.\-]+)", hlo))
+    wanted = {",".join(map(str, shape)) for shape in shapes}
+    found = []
+    for computation in re.split(r"\n(?=\S)", hlo):
+        name = re.match(r"(?:ENTRY )?%([\w.\-]+)", computation)
+        if name and name.group(1) not in bodies:
+            found += [m[0] for m in re.findall(r"(%[\w.\-]+ = f32\[([\d,]*)\])", computation) if m[1] in wanted]
+    return found
+
+
+@pytest.mark.parametrize("family", ["gpt2", "opt", "qwen2", "gemma3"])
+def test_bfloat16_single_row_prefill_and_decode_copy_no_weight_to_f32(family):
+    """One sequence in bf16 (the last position's logits, a decode step): every dot still takes bf16 into f32, and no
+    weight, stack of layer weights, embedding table or cache is converted to f32 whole on the way (XLA:CPU does both
+    for a single-row dot and for slicing a bf16 stack in the layer loop, once a call)."""
+    config = tiny.hf_config(f"random:{family}")
+    model = build_model(FAMILIES[config["model_type"]][0].config_from_hf(config), jnp.bfloat16)
+    ids = jnp.ones((1, 24), jnp.int32)
+    _, cache = generation.prefill(model, ids, capacity=40)
+    weights = [x.shape for x in jax.tree.leaves(nnx.state(model)) if x.dtype == jnp.bfloat16]
+    matrices = [shape for shape in weights + [shape[1:] for shape in weights] if len(shape) >= 2]
+    shapes = matrices + [cache.k.shape, cache.k.shape[1:]]
+    for compiled in (
+        jax.jit(lambda model, ids: model(ids, logits_to_keep=1)[0]).lower(model, ids).compile(),
+        generation.decode_step.lower(model, jnp.ones((1,), jnp.int32), cache).compile(),
+    ):
+        hlo = compiled.as_text()
+        assert set(dots_of(hlo)) == {("f32", "bf16", "bf16")}, dots_of(hlo)
+        assert not f32_copies(hlo, shapes), f32_copies(hlo, shapes)

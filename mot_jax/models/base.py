@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from mot_jax.models.cache import KVCache
-from mot_jax.models.layers import GLOBAL_WINDOW, attention_weights, einsum
+from mot_jax.models.layers import GLOBAL_WINDOW, attention_weights, bf16_as_bits, bits_as_bf16, einsum
 
 PREFILL_BLOCK = 512  # query block of a prefill into an empty cache (causal blocks above the diagonal are skipped)
 # Families whose cached keys carry RoPE (decoder.RotaryLM); GPT-2 and OPT add learned position embeddings instead.
@@ -253,6 +253,7 @@ class CausalLM(nnx.Module):
         def body(carry, xs):
             x, k_all, v_all = carry
             layer_params, layer, layer_injection = xs
+            layer_params = bits_as_bf16(layer_params)
             if layer_injection is not None:
                 layer_injection = layer_injection.replace(k=injection.k, v=injection.v)
                 if injection.hidden is not None:  # MoT-h: an injected layer's input residual stream is replaced
@@ -264,7 +265,7 @@ class CausalLM(nnx.Module):
             x = nnx.merge(graphdef, layer_params)(x, positions, layer, layer_cache)
             return (x, layer_cache.k_all, layer_cache.v_all), (layer_cache.topk_indices, inputs)
 
-        xs = (stacked, jnp.arange(self.config.num_layers), per_layer)
+        xs = (bf16_as_bits(stacked), jnp.arange(self.config.num_layers), per_layer)
         if stop is not None:
             xs = jax.tree.map(lambda a: a[:stop], xs)
         (x, k, v), (topk_indices, inputs) = jax.lax.scan(body, (x, cache.k, cache.v), xs)

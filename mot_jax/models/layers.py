@@ -62,10 +62,44 @@ def einsum(spec, lhs, rhs, *, dtype=None):
     dtype = dtype or jnp.result_type(lhs, rhs)
     inputs, out = spec.split("->")
     left, right = inputs.split(",")
+    if jnp.bfloat16 in (lhs.dtype, rhs.dtype):
+        # XLA:CPU runs a bf16 dot whose operand has a single row (decoding one sequence, the last position's logits)
+        # as a matrix-vector product that first converts the other operand to f32: a whole weight, cache or
+        # vocabulary per call. With two rows it takes the bf16 kernel: such an operand gets a zero row on a new
+        # leading axis, dropped after.
+        pads = [c for c in "zyxw" if c not in spec][:2]
+        if _free_size(left, lhs, right) == 1:
+            lhs, left, out, pads = _with_zero_row(lhs), pads[0] + left, pads[0] + out, pads[1:]
+            return einsum(f"{left},{right}->{out}", lhs, rhs, dtype=dtype)[0]
+        if _free_size(right, rhs, left) == 1:
+            rhs, right, out = _with_zero_row(rhs), pads[0] + right, pads[0] + out
+            return einsum(f"{left},{right}->{out}", lhs, rhs, dtype=dtype)[0]
     batch = [c for c in left if c in right and c in out]
     natural = "".join(batch + [c for c in left + right if c in out and c not in batch])
     y = jnp.einsum(f"{inputs}->{natural}", lhs, rhs, preferred_element_type=jnp.float32)
     return (y if natural == out else y.transpose([natural.index(c) for c in out])).astype(dtype)
+
+
+def _free_size(spec, x, other):
+    """The number of rows of operand `x` (its `spec`, e.g. "...d") in a dot with an operand of spec `other`: the
+    product of its dimensions the other lacks (a leading ellipsis included)."""
+    named = spec.removeprefix("...")
+    rows = math.prod(x.shape[: x.ndim - len(named)]) if spec.startswith("...") and "..." not in other else 1
+    return rows * math.prod(n for c, n in zip(named, x.shape[x.ndim - len(named) :]) if c not in other)
+
+
+def _with_zero_row(x):
+    return jnp.stack([x, jnp.zeros_like(x)])
+
+
+def bf16_as_bits(tree):
+    """The bf16 leaves of `tree` bitcast to uint16 (`bits_as_bf16` undoes it): a scan over a stack of bf16 weights
+    carries their bits, since XLA:CPU slices a bf16 stack inside a loop by converting all of it to f32 once a call."""
+    return jax.tree.map(lambda x: jax.lax.bitcast_convert_type(x, jnp.uint16) if x.dtype == jnp.bfloat16 else x, tree)
+
+
+def bits_as_bf16(tree):
+    return jax.tree.map(lambda x: jax.lax.bitcast_convert_type(x, jnp.bfloat16) if x.dtype == jnp.uint16 else x, tree)
 
 
 class Linear(nnx.Module):
