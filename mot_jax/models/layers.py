@@ -67,13 +67,11 @@ def einsum(spec, lhs, rhs, *, dtype=None):
         # as a matrix-vector product that first converts the other operand to f32: a whole weight, cache or
         # vocabulary per call. With two rows it takes the bf16 kernel: such an operand gets a zero row on a new
         # leading axis, dropped after.
-        pads = [c for c in "zyxw" if c not in spec][:2]
+        pad = next(c for c in "zyxw" if c not in spec)
         if _free_size(left, lhs, right) == 1:
-            lhs, left, out, pads = _with_zero_row(lhs), pads[0] + left, pads[0] + out, pads[1:]
-            return einsum(f"{left},{right}->{out}", lhs, rhs, dtype=dtype)[0]
+            return einsum(f"{pad}{left},{right}->{pad}{out}", _with_zero_row(lhs), rhs, dtype=dtype)[0]
         if _free_size(right, rhs, left) == 1:
-            rhs, right, out = _with_zero_row(rhs), pads[0] + right, pads[0] + out
-            return einsum(f"{left},{right}->{out}", lhs, rhs, dtype=dtype)[0]
+            return einsum(f"{left},{pad}{right}->{pad}{out}", lhs, _with_zero_row(rhs), dtype=dtype)[0]
     batch = [c for c in left if c in right and c in out]
     natural = "".join(batch + [c for c in left + right if c in out and c not in batch])
     y = jnp.einsum(f"{inputs}->{natural}", lhs, rhs, preferred_element_type=jnp.float32)
