@@ -184,7 +184,7 @@ class Trainer:
             if totals is None:
                 totals = jax.tree.map(lambda a: np.asarray(a, np.float64), part)
             else:
-                jax.tree.map(lambda total, a: np.add(total, a, out=total), totals, part)
+                add_into(totals, part)
         return totals
 
     def fit_linear_skip(self, batches, held_out=()) -> dict:
@@ -202,13 +202,18 @@ class Trainer:
             result = results[name] = dict(ridge=np.full(totals[name]["rr"].shape, ridge), held_out=None)
             if held:  # each ridge's held-out error [G, W], G = RIDGE_GRID's ridges
                 result["ridge"], result["held_out"] = choose_ridge(totals[name], held[name], ridge * RIDGE_GRID)
-                jax.tree.map(lambda total, a: np.add(total, a, out=total), totals[name], held[name])
+                add_into(totals[name], held[name])
             kernel, bias, result["before"], result["after"] = solve_linear_skip(totals[name], result["ridge"])
             skip = getattr(translator, f"{name}_skip")
             for var, value in ((skip.kernel, kernel), (skip.bias, bias)):
                 var.set_value(jax.device_put(value.astype(var.dtype), var[...].sharding))
         self.state["params"] = nnx.state(translator, nnx.Param)
         return results
+
+
+def add_into(totals, part):
+    """Add the arrays of `part` into those of `totals` (the same tree), in place."""
+    jax.tree.map(lambda total, a: np.add(total, a, out=total), totals, part)
 
 
 def shuffled_source(batches: list) -> list | None:
