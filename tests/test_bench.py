@@ -84,12 +84,16 @@ def test_quick_page(tmp_path):
         assert heading in result.stdout
 
 
-def test_bad_part_is_one_line():
-    result = run_bench("modles", timeout=120)
-    assert result.returncode != 0
+@pytest.mark.parametrize(
+    "args, said",
+    [(["modles"], ["unknown part 'modles'", "models"]), (["ttft", "--recompute=0.1"], ["--recompute", "--workdirs"])],
+)
+def test_bad_arguments_are_one_line(args, said):
+    result = run_bench(*args, timeout=120)
+    assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
-    assert "unknown part 'modles'" in lines[0] and "models" in lines[0]
+    assert all(part in lines[0] for part in said), lines[0]
 
 
 @pytest.mark.parametrize(

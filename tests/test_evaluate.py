@@ -543,6 +543,30 @@ def test_each_timed_run_reads_the_source_and_runs_the_bottom_anew(pair, monkeypa
     assert calls == ["source", "bottom"] * 3 and {"source_prefill", "target_bottom", "translation"} <= set(stages)
 
 
+def test_recomputing_every_token_answers_as_native_and_rows_follow_their_methods(pair):
+    """A dial translator's row recomputing all of the context above its exact bottom holds the target's own cache
+    (`mot_jax.translate.recompute`), so it answers exactly as native does, whatever the translator wrote; the rows
+    come after their method, and only a direct translator on the window path takes them."""
+    source, target = pair.source.config.num_layers, pair.target.config.num_layers
+    spec = TranslationSpec.build("direct", None, source, target, native_bottom=2, inputs=("source", "hidden"))
+    config = mixture_config(spec, pair.source, pair.target, dim=8, heads=1, depth=1)
+    method = Translated("dial", KVTranslator(spec, config, rngs=nnx.Rngs(0)), "-", 0)
+    rows = run.with_recomputation([method], [0.1, 1.0])
+    names = [m.name for m in rows]
+    assert names == ["dial", "dial, recomputing 10%", "dial, recomputing 100%"]
+    examples = synthetic.examples("extractive_qa", 4, seed=3)
+    results = add_paired_controls(evaluate_examples(pair, [Native(), method, rows[2]], examples, SETTINGS))
+    got, native = ([dict(p, logprob=None) for p in results[m]["predictions"]] for m in (names[2], "native"))
+    assert got == native
+    assert set(results[names[2]]["paired"]) == {"native", "dial"}  # its lever: paired against the dial alone
+    other = SimpleNamespace(name="replay", window_path=False)  # e.g. a replay translator
+    assert [m.name for m in run.with_recomputation([other, method], [0.1])] == ["replay", *names[:2]]
+    with pytest.raises(MotJaxError, match="none of these translators is direct"):
+        run.with_recomputation([other], [0.1])
+    with pytest.raises(MotJaxError, match="outside"):
+        run.recompute_fractions("0.1,1.5")
+
+
 def test_shuffled_source_alignment_is_carried_onto_this_rows_grid_by_position():
     """Row 0: 2 tokens from a donor's 4 take donor tokens 0 and 2; row 1: 6 tokens from 3 take 0, 0, 1, 1, 2, 2,
     and a source token aligned to donor token r goes to this row's first token that took r or later."""

@@ -11,6 +11,7 @@
                                                 # native, text relay, each translator kind, KVComm (homogeneous)
   python -m mot_jax.bench ttft --workdirs=DIR   # ... of trained translators (training workdirs) instead of untrained
   python -m mot_jax.bench ttft --only=linear    # ... of native and the methods whose names hold "linear" (the dial)
+  python -m mot_jax.bench ttft --workdirs=DIR --recompute=0.1   # ... and each dial recomputing 10% of its tokens
   python -m mot_jax.bench train                 # the training step of configs/smollm2_gemma3.py (replay and direct)
   python -m mot_jax.bench train --train_dtype=bfloat16 --train_pair=random:DIR_S,random:DIR_T
                                                 # ... in bf16, on random weights of two checkpoints' shapes
@@ -101,6 +102,8 @@ def define_flags():
     flags.DEFINE_list("lengths", ["128", "512", "2048"], "Prompt lengths of --pair and context lengths of ttft.")
     flags.DEFINE_integer("decode_tokens", 32, "models: greedy tokens decoded by --pair (0: skip).")
     flags.DEFINE_list("workdirs", [], "ttft: training workdirs (one model pair) to time instead of untrained ones.")
+    recompute = "ttft with --workdirs: also each direct translator recomputing these fractions of its tokens."
+    flags.DEFINE_list("recompute", [], recompute)
     only = "ttft: time only native and the methods whose names hold one of these strings (repeatable)."
     flags.DEFINE_multi_string("only", [], only)
     flags.DEFINE_list("train_pair", [], "train: SOURCE,TARGET model names instead of the experiment's own.")
@@ -119,7 +122,16 @@ def make_plan(fail) -> Plan:
     f = flags.FLAGS
     if f.train_pair and len(f.train_pair) != 2:
         fail(f"--train_pair takes two model names, SOURCE,TARGET, not {','.join(f.train_pair)!r}.")
-    chosen = dict(workdirs=tuple(f.workdirs), only=tuple(f.only), train_pair=tuple(f.train_pair))
+    from mot_jax.errors import MotJaxError
+    from mot_jax.evals.run import recompute_fractions
+
+    try:
+        recompute = tuple(recompute_fractions(f.recompute))
+    except (MotJaxError, ValueError) as e:
+        fail(f"--recompute: {e}" if isinstance(e, MotJaxError) else "--recompute takes a comma list of fractions.")
+    if recompute and not f.workdirs:
+        fail("--recompute applies to trained translators; pass --workdirs with it.")
+    chosen = dict(workdirs=tuple(f.workdirs), only=tuple(f.only), train_pair=tuple(f.train_pair), recompute=recompute)
     if f.quick:
         return dataclasses.replace(QUICK, train_dtype=f.train_dtype, **chosen)
     try:

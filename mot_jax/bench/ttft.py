@@ -88,10 +88,11 @@ def groups(plan: Plan) -> tuple[list[Group], str]:
     if plan.workdirs:
         import ml_collections
 
-        from mot_jax.evals.run import trained_methods
+        from mot_jax.evals.run import trained_methods, with_recomputation
         from mot_jax.training import setup
 
         translated, config = trained_methods(plan.workdirs, "last")
+        translated = with_recomputation(translated, plan.recompute)
         names = (config.source, config.target)
         models = setup.load_pair(ml_collections.ConfigDict(dict(source=names[0], target=names[1], dtype=config.dtype)))
         what = "trained translators (" + ", ".join(f"`{m.workdir}` step {m.step}" for m in translated) + ")"

@@ -48,6 +48,7 @@ from mot_jax.translate.pipeline import (
     target_side_jit,
     translate_jit,
 )
+from mot_jax.translate.recompute import recompute
 
 BASELINES = ("no_context", "native", "text_relay", "kvcomm")  # kvcomm: evals/kvcomm.py (one model family and depth)
 
@@ -224,14 +225,22 @@ class Translated(Method):
         target's own bottom layers over the contexts (the dial's, `bottom_run`) run once per batch for every method
         that reads them (a translator, its shuffled-source control, another run's translator at that bottom)."""
         spec, side = self.translator.spec, None
-        if spec.mode == "direct" and not kinds.get(self.translator.cfg.kind).translate:  # not a path of its own
+        if self.window_path:
             args = (models.target, contexts.ids, contexts.mask)
-            key = ("target bottom", id(models.target), capacity, spec.native_bottom)
             run = lambda: bottom_run_jit(*args, native_bottom=spec.native_bottom, capacity=capacity)
-            bottom = watch.shared("target_bottom", contexts.shared, key, run)
+            bottom = watch.shared("target_bottom", contexts.shared, self.bottom_key(models, capacity), run)
             side = target_side_jit(*args, bottom, spec=spec, capacity=capacity)
         args = self.translation_args(models, contexts, read)
         return watch.lap("translation", translate_jit(*args, capacity=capacity, side=side))
+
+    @property
+    def window_path(self) -> bool:
+        """Whether the translator is direct on the window path (the dial's: no translation path of its own)."""
+        return self.translator.spec.mode == "direct" and not kinds.get(self.translator.cfg.kind).translate
+
+    def bottom_key(self, models, capacity):
+        """Where a batch keeps the target's own bottom layers over its contexts (`Contexts.shared`)."""
+        return ("target bottom", id(models.target), capacity, self.translator.spec.native_bottom)
 
     def translation_args(self, models, contexts, read: SourceRead) -> tuple:
         """`translate_jit`'s arguments for the contexts (shared by the timed run and the memory plan)."""
@@ -256,6 +265,31 @@ class Translated(Method):
             if "stats" in aux.get(part, {}):
                 self.load[part] = self.load.get(part, 0) + np.asarray(aux[part]["stats"]["load"], np.float64)
         return cache, self.handed(models, read.mask)
+
+
+RECOMPUTING = ", recomputing "  # a recomputing row's name: its translator's, then this and the share
+
+
+class Recomputed(Translated):
+    """A direct translator's cache with the target's own layers above its exact bottom rerun for the `fraction` of
+    context tokens the translation got most wrong (`mot_jax.translate.recompute`). Its shuffled-source control
+    recomputes the same share of the shuffled translation."""
+
+    def __init__(self, method: Translated, fraction: float):
+        if not method.window_path or not 0 < fraction <= 1:
+            raise MotJaxError(
+                f"Recomputation needs a direct translator on the dial's window path and a fraction in (0, 1]; "
+                f"{method.name} at {fraction} is not one: drop it or pass --config.recompute= with such fractions."
+            )
+        super().__init__(f"{method.name}{RECOMPUTING}{fraction:.0%}", method.translator, method.workdir, method.step)
+        self.fraction = fraction
+
+    def translate(self, models, contexts, read: SourceRead, capacity, watch):
+        cache, aux = super().translate(models, contexts, read, capacity, watch)
+        hidden = contexts.shared[self.bottom_key(models, capacity)][0][1]  # timed by the translation's call
+        start = self.translator.spec.native_bottom
+        redo = recompute(models.target, cache, hidden, contexts.ids, contexts.mask, fraction=self.fraction, start=start)
+        return watch.lap("recompute", redo), aux
 
 
 SHUFFLED = ", shuffled source"  # the name of a method's shuffled-source control: the method's, then this

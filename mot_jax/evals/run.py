@@ -35,6 +35,7 @@ from mot_jax.evals.methods import (
     BASELINES,
     Native,
     NoContext,
+    Recomputed,
     ShuffledSource,
     SourceAlone,
     SwappedBand,
@@ -125,6 +126,26 @@ def baseline_methods(config, pair=("source", "target")) -> list:
     return [make[name]() for name in BASELINES if name in names]
 
 
+def recompute_fractions(value) -> list[float]:
+    """`--config.recompute`'s fractions, each checked to lie in (0, 1]."""
+    fractions = parse_list(value, float)
+    if any(not 0 < f <= 1 for f in fractions):
+        raise MotJaxError(f"recompute={value!r} holds a fraction outside (0, 1]; pass shares such as 0.05,0.1.")
+    return fractions
+
+
+def with_recomputation(translated: list, fractions) -> list:
+    """The translated methods, each direct one on the dial's window path followed by its `Recomputed` rows at
+    `fractions`; refused when no translator is such a one."""
+    if fractions and not any(m.window_path for m in translated):
+        raise MotJaxError(
+            "Recomputation reruns the target's layers above a direct translator's exact bottom; none of these "
+            "translators is direct on the dial's window path: drop --config.recompute."
+        )
+    extra = lambda m: [Recomputed(m, f) for f in fractions] if m.window_path else []
+    return [row for m in translated for row in [m, *extra(m)]]
+
+
 def with_controls(translated: list, shuffled_source: bool) -> list:
     """The translated methods, each followed by its shuffled-source control when `shuffled_source` (not the
     source-free ones: they read no source to shuffle)."""
@@ -208,6 +229,7 @@ def evaluate(workdir, config: ml_collections.ConfigDict, compare=(), out=None) -
     if config.data and len(tasks) != 1:
         raise MotJaxError(f"data={config.data!r} holds one task's examples; pass --task with it.")
     budgets, lengths = parse_list(config.budgets, int), parse_list(config.ttft_lengths, int)
+    fractions = recompute_fractions(config.recompute)
     check_counts(config)
     if config.chat_template not in CHAT_SETTINGS:
         raise MotJaxError(f"chat_template={config.chat_template!r} is not one of {', '.join(CHAT_SETTINGS)}; pass one.")
@@ -226,6 +248,7 @@ def evaluate(workdir, config: ml_collections.ConfigDict, compare=(), out=None) -
     else:
         workdirs = [str(workdir), *map(str, compare)]
         translated, train_config = trained_methods(workdirs, config.which, config.replay_attention)
+        translated = with_recomputation(translated, fractions)
     names = (train_config.source, train_config.target)
     baselines, rows = baseline_methods(config, names), with_controls(translated, config.shuffled_source)
     pair_config = ml_collections.ConfigDict(

@@ -12,6 +12,7 @@ from mot_jax.evals.kvcomm import KVComm
 from mot_jax.evals.latency import timed
 from mot_jax.evals.methods import (
     BASELINES,
+    RECOMPUTING,
     SHUFFLED,
     SOURCE_ALONE,
     ShuffledSource,
@@ -229,8 +230,10 @@ def paired(values, controls) -> dict:
 
 def controls_of(name: str, results: dict) -> list[str]:
     """The rows a translated method is paired against, those present: no context, native, the source alone, its
-    shuffled source and its source-free variant (named as `method_name` names it)."""
-    wanted = ("no_context", "native", SOURCE_ALONE, f"{name}{SHUFFLED}", f"source-free {name}")
+    shuffled source and its source-free variant (named as `method_name` names it); a recomputing row also against its
+    translator without recomputation."""
+    without = name.split(RECOMPUTING)[0]
+    wanted = ("no_context", "native", SOURCE_ALONE, f"{name}{SHUFFLED}", f"source-free {name}", without)
     return [c for c in wanted if c in results and c != name]
 
 

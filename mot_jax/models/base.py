@@ -117,9 +117,7 @@ class LayerCache:
 
     def attend(self, q, k, v, *, scale, window=GLOBAL_WINDOW, softcap=None):
         """q: [B, T, H, d], k/v: [B, T, K, d] for the new tokens; returns [B, T, H * d]."""
-        at = (self.layer, 0, 0, self.index, 0)
-        self.k_all = jax.lax.dynamic_update_slice(self.k_all, k.transpose(0, 2, 1, 3)[None], at)
-        self.v_all = jax.lax.dynamic_update_slice(self.v_all, v.transpose(0, 2, 1, 3)[None], at)
+        self.write(k, v)
         length = q.shape[1]
         if self.fresh:  # only the new tokens can be visible: attend over them, in causal blocks
             k_layer, v_layer = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
@@ -156,6 +154,12 @@ class LayerCache:
             self.topk_indices = jnp.concatenate(tops, axis=1)
         return jnp.concatenate(outs, axis=1).reshape(*q.shape[:2], -1)
 
+    def write(self, k, v):
+        """The new tokens' k, v [B, T, K, d] into this layer's slots [index, index + T)."""
+        at = (self.layer, 0, 0, self.index, 0)
+        self.k_all = jax.lax.dynamic_update_slice(self.k_all, k.transpose(0, 2, 1, 3)[None], at)
+        self.v_all = jax.lax.dynamic_update_slice(self.v_all, v.transpose(0, 2, 1, 3)[None], at)
+
     def injected(self, k_layer, v_layer, length, offset):
         """This layer's attention keys/values and allowed-key mask under the injection (new tokens at `offset`)."""
         inj, layer_slot = self.injection, self.injection.slot
@@ -181,6 +185,25 @@ class LayerCache:
             .set(True, mode="drop")
         )
         return k_layer, v_layer, chosen | ~inj.sparse
+
+
+class SlotCache(LayerCache):
+    """A layer's view for tokens already in the cache (`CausalLM.rerun_slots`): their new k, v overwrite their own
+    slots `slots` [B, n] (slots past the capacity are dropped) instead of being appended."""
+
+    def __init__(self, k_all, v_all, layer, slots, q_pos, cache: KVCache):
+        super().__init__(k_all, v_all, layer, cache.index, q_pos, cache)
+        self.slots = slots
+
+    def write(self, k, v):
+        rows = jnp.arange(k.shape[0])[:, None]
+
+        def put(all_kv, new):  # [L, B, K, S, d] <- new [B, n, K, d] at (layer, row, slot)
+            layer = jax.lax.dynamic_index_in_dim(all_kv, self.layer, keepdims=False).transpose(0, 2, 1, 3)
+            layer = layer.at[rows, self.slots].set(new.astype(layer.dtype), mode="drop").transpose(0, 2, 1, 3)
+            return jax.lax.dynamic_update_index_in_dim(all_kv, layer, self.layer, 0)
+
+        self.k_all, self.v_all = put(self.k_all, k), put(self.v_all, v)
 
 
 class CausalLM(nnx.Module):
@@ -272,6 +295,24 @@ class CausalLM(nnx.Module):
         cache = cache.replace(k=k, v=v, index=cache.index + length)
         out = (x if stop is not None else self.final_norm(x)), cache, topk_indices
         return (*out, inputs) if layer_inputs else out
+
+    def rerun_slots(self, hidden, slots, cache: KVCache, start: int) -> KVCache:
+        """`cache` with layers `start..L-1` rerun for the tokens it holds at `slots` [B, n], from their residual stream
+        before layer `start`, `hidden` [B, n, D]: each layer's attention reads the cache's K/V at every other slot, and
+        their new K/V overwrite their own (slots past the capacity are ignored)."""
+        graphdef, stacked = nnx.split(self.layers)
+        positions = jnp.take_along_axis(cache.positions, jnp.minimum(slots, cache.capacity - 1), 1)
+
+        def body(carry, xs):
+            x, k_all, v_all = carry
+            layer_params, layer = xs
+            view = SlotCache(k_all, v_all, layer, slots, positions, cache)
+            x = nnx.merge(graphdef, bits_as_bf16(layer_params))(x, positions, layer, view)
+            return (x, view.k_all, view.v_all), None
+
+        xs = jax.tree.map(lambda a: a[start:], (bf16_as_bits(stacked), jnp.arange(self.config.num_layers)))
+        (_, k, v), _ = jax.lax.scan(body, (hidden, cache.k, cache.v), xs)
+        return cache.replace(k=k, v=v)
 
     def embed(self, ids, positions):
         """The first layer's input residual stream [B, T, D] of `ids` at `positions`."""
