@@ -185,6 +185,18 @@ def test_ttft_only_times_native_and_the_methods_it_names():
         ttft.groups(dataclasses.replace(plan, only=("linaer",)))
 
 
+def test_ttft_of_trained_translators_times_the_source_alone_and_refuses_recomputing_a_replay(tiny_run):
+    import dataclasses
+
+    from mot_jax.errors import MotJaxError
+
+    plan = dataclasses.replace(common.QUICK, workdirs=(str(tiny_run[0]),), only=("MoT",))
+    (group,), _ = ttft.groups(plan)
+    assert [m.name for m in group.methods] == ["native", "source alone", "MoT replay"]
+    with pytest.raises(MotJaxError, match="none of these translators is direct"):
+        ttft.groups(dataclasses.replace(plan, recompute=(0.1,)))
+
+
 def test_models_table_reports_gflops_against_the_matmul_rate():
     """`bench models`' prefill table: each side's GFLOP/s (closed-form FLOPs over its time) and share of the matmul
     rate in the row's dtype; the FLOPs by hand on a tiny config."""

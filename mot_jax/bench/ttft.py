@@ -1,12 +1,13 @@
 """The ttft part: time to first token of every method the project has, side by side in one run (the evaluation's
 measurement, `mot_jax.evals.latency.latency`): native prefill, the text relay, untrained translators of every kind
-(or the trained translators of `plan.workdirs`) and KVComm on the two homogeneous pairs it allows."""
+(or the trained translators of `plan.workdirs`, with the source answering alone) and KVComm on the two homogeneous pairs it allows."""
 
 from __future__ import annotations
 
 import dataclasses
 
 from mot_jax.bench.common import EXPERIMENT, Plan, Section, Table, goal_note, load_experiment, log, ms, span
+from mot_jax.evals.methods import SOURCE_ALONE
 from mot_jax.translate import kinds
 
 # Every untrained translator the part times: (EXPERIMENT config argument, translator overrides). TTFT does not
@@ -73,16 +74,20 @@ def untrained(plan: Plan, pair=None) -> tuple:
     return pair, methods, (config.source, config.target)
 
 
+BARS = ("native", SOURCE_ALONE)  # kept whatever --only says: every ratio is to native, the source alone is a bar
+
+
 def wanted(plan: Plan, name: str) -> bool:
-    """Whether --only keeps a method: native always (every ratio is to it), else a name holding one of its strings."""
-    return not plan.only or name == "native" or any(part in name for part in plan.only)
+    """Whether --only keeps a method: the BARS always, else a name holding one of its strings."""
+    return not plan.only or name in BARS or any(part in name for part in plan.only)
 
 
 def groups(plan: Plan) -> tuple[list[Group], str]:
     """The model pairs and their methods, and a sentence on what the translators are."""
     from mot_jax.evals.config import defaults
     from mot_jax.evals.kvcomm import KVComm
-    from mot_jax.evals.methods import Native, TextRelay
+    from mot_jax.evals.methods import Native, SourceAlone, TextRelay
+    from mot_jax.evals.prompts import target_chat
     from mot_jax.training.setup import Pair
 
     if plan.workdirs:
@@ -106,9 +111,11 @@ def groups(plan: Plan) -> tuple[list[Group], str]:
         )
     relay_tokens = defaults().relay_tokens
     source, target = models.source, models.target
-    timed = [m for m in (Native(), TextRelay(relay_tokens), *translated) if wanted(plan, m.name)]
+    # beside trained translators, the source answering alone (in its own chat format, as the evaluation's row)
+    alone = [SourceAlone(target_chat("auto", names[0], models.source_tokenizer))] if plan.workdirs else []
+    timed = [m for m in (Native(), *alone, TextRelay(relay_tokens), *translated) if wanted(plan, m.name)]
     with_kvcomm = wanted(plan, "KVComm")
-    if len(timed) == 1 and not with_kvcomm:
+    if all(m.name in BARS for m in timed) and not with_kvcomm:
         from mot_jax.errors import MotJaxError
 
         raise MotJaxError(
@@ -249,7 +256,8 @@ def bench_ttft(plan: Plan) -> Section:
         f"Batch 1, every method{only} in this one run, measured by `mot_jax.evals.latency.latency` (the evaluation's "
         "TTFT, median of the runs after one that compiles): a synthetic long-context passage cut to each length in "
         "target tokens, then the question suffix and the first answer token. Native: the target prefills the context "
-        "itself. Text relay: the source writes a summary of the context (up to "
+        "itself. Source alone (beside trained translators): the source prefills the context and answers itself (the "
+        "bar a translation into a bigger target must beat). Text relay: the source writes a summary of the context (up to "
         f"{defaults().relay_tokens} tokens, greedy), which the target prefills; it has no source cache to reuse, "
         "so both columns hold all of it. Translated and KVComm: TTFT is the work from an existing source cache (the "
         "translation, which for replay, C2C, MoT-h and Interlat includes the target's own pass over the context, "
