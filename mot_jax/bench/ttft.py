@@ -1,6 +1,7 @@
 """The ttft part: time to first token of every method the project has, side by side in one run (the evaluation's
 measurement, `mot_jax.evals.latency.latency`): native prefill, the text relay, untrained translators of every kind
-(or the trained translators of `plan.workdirs`, with the source answering alone) and KVComm on the two homogeneous pairs it allows."""
+(or the trained translators of `plan.workdirs`, with the source answering alone) and KVComm on the two homogeneous
+pairs it allows."""
 
 from __future__ import annotations
 
