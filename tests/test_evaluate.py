@@ -551,7 +551,7 @@ def test_recomputing_every_token_answers_as_native_and_rows_follow_their_methods
     spec = TranslationSpec.build("direct", None, source, target, native_bottom=2, inputs=("source", "hidden"))
     config = mixture_config(spec, pair.source, pair.target, dim=8, heads=1, depth=1)
     method = Translated("dial", KVTranslator(spec, config, rngs=nnx.Rngs(0)), "-", 0)
-    rows = run.with_recomputation([method], [0.1, 1.0])
+    rows = run.with_recomputation([method], [0, 0.1, 1.0])
     names = [m.name for m in rows]
     assert names == ["dial", "dial, recomputing 10%", "dial, recomputing 100%"]
     examples = synthetic.examples("extractive_qa", 4, seed=3)
@@ -560,11 +560,13 @@ def test_recomputing_every_token_answers_as_native_and_rows_follow_their_methods
     assert got == native
     assert set(results[names[2]]["paired"]) == {"native", "dial"}  # its lever: paired against the dial alone
     other = SimpleNamespace(name="replay", window_path=False)  # e.g. a replay translator
-    assert [m.name for m in run.with_recomputation([other, method], [0.1])] == ["replay", *names[:2]]
+    assert [m.name for m in run.with_recomputation([other, method], [0.1])] == ["replay", names[1]]
+    assert run.with_recomputation([other], [0]) == [other]  # the default: every translator as translated
     with pytest.raises(MotJaxError, match="none of these translators is direct"):
-        run.with_recomputation([other], [0.1])
-    with pytest.raises(MotJaxError, match="outside"):
-        run.recompute_fractions("0.1,1.5")
+        run.with_recomputation([other], [0, 0.1])
+    for bad in ("0.1,1.5", ""):
+        with pytest.raises(MotJaxError, match="not a list of shares"):
+            run.recompute_fractions(bad)
 
 
 def test_shuffled_source_alignment_is_carried_onto_this_rows_grid_by_position():

@@ -11,7 +11,7 @@
                                                 # native, text relay, each translator kind, KVComm (homogeneous)
   python -m mot_jax.bench ttft --workdirs=DIR   # ... of trained translators (training workdirs) instead of untrained
   python -m mot_jax.bench ttft --only=linear    # ... of native and the methods whose names hold "linear" (the dial)
-  python -m mot_jax.bench ttft --workdirs=DIR --recompute=0.1   # ... and each dial recomputing 10% of its tokens
+  python -m mot_jax.bench ttft --workdirs=DIR --recompute=0,0.1   # ... each dial as translated and recomputing 10%
   python -m mot_jax.bench train                 # the training step of configs/smollm2_gemma3.py (replay and direct)
   python -m mot_jax.bench train --train_dtype=bfloat16 --train_pair=random:DIR_S,random:DIR_T
                                                 # ... in bf16, on random weights of two checkpoints' shapes
@@ -102,8 +102,8 @@ def define_flags():
     flags.DEFINE_list("lengths", ["128", "512", "2048"], "Prompt lengths of --pair and context lengths of ttft.")
     flags.DEFINE_integer("decode_tokens", 32, "models: greedy tokens decoded by --pair (0: skip).")
     flags.DEFINE_list("workdirs", [], "ttft: training workdirs (one model pair) to time instead of untrained ones.")
-    recompute = "ttft with --workdirs: also each direct translator recomputing these fractions of its tokens."
-    flags.DEFINE_list("recompute", [], recompute)
+    recompute = "ttft with --workdirs: each dial translator once per share of its tokens recomputed (0: as translated)."
+    flags.DEFINE_list("recompute", ["0"], recompute)
     only = "ttft: time only native and the methods whose names hold one of these strings (repeatable)."
     flags.DEFINE_multi_string("only", [], only)
     flags.DEFINE_list("train_pair", [], "train: SOURCE,TARGET model names instead of the experiment's own.")
@@ -128,8 +128,8 @@ def make_plan(fail) -> Plan:
     try:
         recompute = tuple(recompute_fractions(f.recompute))
     except (MotJaxError, ValueError) as e:
-        fail(f"--recompute: {e}" if isinstance(e, MotJaxError) else "--recompute takes a comma list of fractions.")
-    if recompute and not f.workdirs:
+        fail(f"--recompute: {e}" if isinstance(e, MotJaxError) else "--recompute takes a comma list of shares.")
+    if any(recompute) and not f.workdirs:
         fail("--recompute applies to trained translators; pass --workdirs with it.")
     chosen = dict(workdirs=tuple(f.workdirs), only=tuple(f.only), train_pair=tuple(f.train_pair), recompute=recompute)
     if f.quick:

@@ -35,7 +35,7 @@ class Plan:
     config_arg: str  # prefix of the EXPERIMENT config argument ("tiny," for tiny random models)
     workdirs: tuple = ()
     only: tuple = ()  # ttft: the methods whose names hold one of these (and native); empty: every method
-    recompute: tuple = ()  # ttft with workdirs: fractions of recomputed context tokens (`--config.recompute`)
+    recompute: tuple = (0.0,)  # ttft with workdirs: shares of context tokens recomputed (`--config.recompute`)
     quick: bool = False
     train_pair: tuple = ()  # train: (source, target) model names instead of the EXPERIMENT's own
     train_dtype: str = ""  # train: the LLMs' dtype instead of the EXPERIMENT's ("")

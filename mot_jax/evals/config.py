@@ -30,9 +30,9 @@ def defaults() -> ml_collections.ConfigDict:
     c.shuffled_source = True  # a control row beside each translated method: translated from another example's source
     c.source_alone = True  # with a translator, a row of the source reading the context and answering itself
     c.diagnose = ""  # "bands": rows of native context with a quarter of the target's layers from another example
-    # beside each direct translator on the dial's window path: a row per fraction of context tokens whose K/V the
-    # target recomputes above its exact bottom (those the translation got most wrong; translate/recompute.py)
-    c.recompute = ""
+    # each direct translator on the dial's window path once per share of context tokens whose K/V the target
+    # recomputes above its exact bottom (0: as translated; those the translation got most wrong; translate/recompute.py)
+    c.recompute = "0"
     c.replay_attention = "trained"  # replay translators, once per entry: trained | dense | K (top-K keys per query)
     c.dtype = ""  # LLM dtype; "" = the training run's
     return c

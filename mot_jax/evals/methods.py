@@ -278,8 +278,8 @@ class Recomputed(Translated):
     def __init__(self, method: Translated, fraction: float):
         if not method.window_path or not 0 < fraction <= 1:
             raise MotJaxError(
-                f"Recomputation needs a direct translator on the dial's window path and a fraction in (0, 1]; "
-                f"{method.name} at {fraction} is not one: drop it or pass --config.recompute= with such fractions."
+                f"Recomputation needs a direct translator on the dial's window path and a share in (0, 1]; "
+                f"{method.name} at {fraction} is not one."
             )
         super().__init__(f"{method.name}{RECOMPUTING}{fraction:.0%}", method.translator, method.workdir, method.step)
         self.fraction = fraction

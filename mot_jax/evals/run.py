@@ -127,23 +127,24 @@ def baseline_methods(config, pair=("source", "target")) -> list:
 
 
 def recompute_fractions(value) -> list[float]:
-    """`--config.recompute`'s fractions, each checked to lie in (0, 1]."""
+    """`--config.recompute`'s fractions, each checked to lie in [0, 1], at least one."""
     fractions = parse_list(value, float)
-    if any(not 0 < f <= 1 for f in fractions):
-        raise MotJaxError(f"recompute={value!r} holds a fraction outside (0, 1]; pass shares such as 0.05,0.1.")
+    if not fractions or any(not 0 <= f <= 1 for f in fractions):
+        raise MotJaxError(f"recompute={value!r} is not a list of shares in [0, 1]; pass e.g. 0 or 0,0.1.")
     return fractions
 
 
 def with_recomputation(translated: list, fractions) -> list:
-    """The translated methods, each direct one on the dial's window path followed by its `Recomputed` rows at
-    `fractions`; refused when no translator is such a one."""
-    if fractions and not any(m.window_path for m in translated):
+    """The translated methods, each direct one on the dial's window path as one row per fraction of `fractions` (0:
+    as translated, else `Recomputed`); the others as they are. Refused when a positive fraction finds no such
+    translator."""
+    if any(fractions) and not any(m.window_path for m in translated):
         raise MotJaxError(
             "Recomputation reruns the target's layers above a direct translator's exact bottom; none of these "
             "translators is direct on the dial's window path: drop --config.recompute."
         )
-    extra = lambda m: [Recomputed(m, f) for f in fractions] if m.window_path else []
-    return [row for m in translated for row in [m, *extra(m)]]
+    rows = lambda m: [Recomputed(m, f) if f else m for f in fractions] if m.window_path else [m]
+    return [row for m in translated for row in rows(m)]
 
 
 def with_controls(translated: list, shuffled_source: bool) -> list:
