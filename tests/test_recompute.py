@@ -82,3 +82,28 @@ def test_the_tokens_chosen_are_those_the_translation_got_wrong(target):
 
 def test_recompute_count():
     assert recompute_count(0.1, 40) == 4 and recompute_count(0.01, 40) == 1 and recompute_count(1.0, 40) == 40
+
+
+def test_the_cache_translator_recomputing_every_token_hands_on_the_native_cache():
+    """The user-facing path (`CacheTranslator(..., recompute=share)`) with a random dial translator."""
+    from flax import nnx
+
+    from mot_jax.errors import MotJaxError
+    from mot_jax.translate.pipeline import CacheTranslator
+    from mot_jax.translate.spec import TranslationSpec
+    from mot_jax.translate.translator import KVTranslator, mixture_config
+
+    (source, _, source_tok), (target, _, target_tok) = tiny.load("random:llama"), tiny.load("random:gemma3")
+    ls, lt = source.config.num_layers, target.config.num_layers
+    spec = TranslationSpec.build("direct", None, ls, lt, native_bottom=START, inputs=("source", "hidden"))
+    translator = KVTranslator(spec, mixture_config(spec, source, target, dim=8, heads=1, depth=1), rngs=nnx.Rngs(0))
+    texts = ["Ada Lovelace lives in Paris, where she keeps a small garden.", "The guild meets on Tuesdays."]
+    translated, ids, mask = CacheTranslator(source, target, source_tok, target_tok, translator).from_text(texts, 48)
+    ct = CacheTranslator(source, target, source_tok, target_tok, translator, recompute=1.0)
+    redone, _, _ = ct.from_text(texts, capacity=48)
+    native = prefill(target, ids, mask, capacity=48)[1]
+    for got, want, before in zip(*(context_slots(c, mask) for c in (redone, native, translated))):
+        np.testing.assert_allclose(got, want, atol=2e-4, rtol=2e-4)
+        assert np.abs(before - want).max() > 1e-2  # the translation alone is not the native cache
+    with pytest.raises(MotJaxError, match="recompute=1.5 needs a share"):
+        CacheTranslator(source, target, source_tok, target_tok, translator, recompute=1.5)

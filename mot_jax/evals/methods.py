@@ -48,7 +48,7 @@ from mot_jax.translate.pipeline import (
     target_side_jit,
     translate_jit,
 )
-from mot_jax.translate.recompute import recompute
+from mot_jax.translate.recompute import on_window_path, recompute
 
 BASELINES = ("no_context", "native", "text_relay", "kvcomm")  # kvcomm: evals/kvcomm.py (one model family and depth)
 
@@ -235,8 +235,7 @@ class Translated(Method):
 
     @property
     def window_path(self) -> bool:
-        """Whether the translator is direct on the window path (the dial's: no translation path of its own)."""
-        return self.translator.spec.mode == "direct" and not kinds.get(self.translator.cfg.kind).translate
+        return on_window_path(self.translator)
 
     def bottom_key(self, models, capacity):
         """Where a batch keeps the target's own bottom layers over its contexts (`Contexts.shared`)."""

@@ -17,6 +17,7 @@ from mot_jax.jit import jit
 from mot_jax.models.base import CausalLM
 from mot_jax.models.cache import KVCache
 from mot_jax.translate import align as alignment_lib
+from mot_jax.translate.recompute import on_window_path, recompute
 from mot_jax.translate.spec import TranslationSpec
 from mot_jax.translate.translator import KVTranslator, source_read, translate
 from mot_jax.translate.window import bottom_run, target_side
@@ -125,10 +126,20 @@ class CacheTranslator:
     ct = CacheTranslator(source, target, source_tokenizer, target_tokenizer, translator)
     cache, ids, mask = ct.from_text(["passage one ...", "passage two ..."], capacity=T + suffix)
     logits, cache = target(suffix_ids, suffix_mask, cache=cache)
+
+    `recompute`: the share of context tokens whose K/V the target recomputes above a dial translator's exact bottom
+    (`mot_jax.translate.recompute`; 0: none).
     """
 
-    def __init__(self, source, target, source_tokenizer, target_tokenizer, translator: KVTranslator):
-        self.source, self.target, self.translator = source, target, translator
+    def __init__(
+        self, source, target, source_tokenizer, target_tokenizer, translator: KVTranslator, recompute: float = 0.0
+    ):
+        if recompute and not (0 < recompute <= 1 and on_window_path(translator)):
+            raise MotJaxError(
+                f"recompute={recompute} needs a share in (0, 1] and a direct translator on the dial's window path; "
+                "pass recompute=0 for this translator."
+            )
+        self.source, self.target, self.translator, self.recompute = source, target, translator, recompute
         self.source_tokenizer, self.target_tokenizer = source_tokenizer, target_tokenizer
 
     def from_text(self, texts, capacity=None):
@@ -154,15 +165,16 @@ class CacheTranslator:
                 f"The source cache holds {source_cache.k.shape[1]} sequences but {np.shape(target_ids)[0]} target "
                 "contexts were given; pass one target context per source sequence."
             )
-        cache, _ = translate_jit(
-            self.translator,
-            self.source,
-            self.target,
-            source_cache,
-            alignment,
-            jnp.asarray(target_ids),
-            jnp.asarray(target_mask),
-            source_topk,
-            capacity=capacity,
-        )
+        ids, mask, side = jnp.asarray(target_ids), jnp.asarray(target_mask), None
+        if self.recompute:  # the target's own bottom once: for the translation and the recomputation
+            capacity = capacity or ids.shape[1]
+            bottom = bottom_run_jit(
+                self.target, ids, mask, native_bottom=self.translator.spec.native_bottom, capacity=capacity
+            )
+            side = target_side_jit(self.target, ids, mask, bottom, spec=self.translator.spec, capacity=capacity)
+        args = (self.translator, self.source, self.target, source_cache, alignment, ids, mask, source_topk)
+        cache, _ = translate_jit(*args, capacity=capacity, side=side)
+        if self.recompute:
+            start = self.translator.spec.native_bottom
+            cache = recompute(self.target, cache, bottom[1], ids, mask, fraction=self.recompute, start=start)
         return cache

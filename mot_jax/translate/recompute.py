@@ -17,6 +17,13 @@ import jax.numpy as jnp
 from mot_jax.jit import jit
 from mot_jax.models.base import CausalLM, positions_from_mask
 from mot_jax.models.cache import KVCache
+from mot_jax.translate import kinds
+
+
+def on_window_path(translator) -> bool:
+    """Whether a translator is direct on the dial's window path (no translation path of its own): what
+    recomputation, and the dial's exact bottom, apply to."""
+    return translator.spec.mode == "direct" and not kinds.get(translator.cfg.kind).translate
 
 
 def recompute_count(fraction: float, length: int) -> int:
