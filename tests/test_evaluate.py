@@ -405,6 +405,8 @@ def test_bad_counts_and_output_folders_are_refused_before_any_work(tmp_path):
         run.evaluate(workdir, small_config(batch_size=0))
     with pytest.raises(MotJaxError, match="is a training workdir"):
         run.evaluate(workdir, small_config(), out=workdir)
+    with pytest.raises(MotJaxError, match=r"recompute='0,1.5' is not a list of shares in \[0, 1\]"):
+        run.evaluate(workdir, small_config(recompute="0,1.5"))
     assert sorted(p.name for p in workdir.iterdir()) == ["checkpoints", "config.json"]
 
 
