@@ -545,6 +545,7 @@ def test_each_timed_run_reads_the_source_and_runs_the_bottom_anew(pair, monkeypa
     assert calls == ["source", "bottom"] * 3 and {"source_prefill", "target_bottom", "translation"} <= set(stages)
 
 
+@pytest.mark.slow  # ~10 s; the fast subset has the recomputation's own tests (test_recompute.py)
 def test_recomputing_every_token_answers_as_native_and_rows_follow_their_methods(pair):
     """A dial translator's row recomputing all of the context above its exact bottom holds the target's own cache
     (`mot_jax.translate.recompute`), so it answers exactly as native does, whatever the translator wrote; the rows

@@ -84,6 +84,7 @@ def test_recompute_count():
     assert recompute_count(0.1, 40) == 4 and recompute_count(0.01, 40) == 1 and recompute_count(1.0, 40) == 40
 
 
+@pytest.mark.slow  # ~8 s: the user path end to end; the tests above check the computation in the fast subset
 def test_the_cache_translator_recomputing_every_token_hands_on_the_native_cache():
     """The user-facing path (`CacheTranslator(..., recompute=share)`) with a random dial translator."""
     from flax import nnx
