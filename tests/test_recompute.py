@@ -106,5 +106,5 @@ def test_the_cache_translator_recomputing_every_token_hands_on_the_native_cache(
     for got, want, before in zip(*(context_slots(c, mask) for c in (redone, native, translated))):
         np.testing.assert_allclose(got, want, atol=2e-4, rtol=2e-4)
         assert np.abs(before - want).max() > 1e-2  # the translation alone is not the native cache
-    with pytest.raises(MotJaxError, match="recompute=1.5 needs a share"):
+    with pytest.raises(MotJaxError, match="Recomputing 1.5 of the context's tokens needs a share in"):
         CacheTranslator(source, target, source_tok, target_tok, translator, recompute=1.5)

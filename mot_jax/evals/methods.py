@@ -48,7 +48,7 @@ from mot_jax.translate.pipeline import (
     target_side_jit,
     translate_jit,
 )
-from mot_jax.translate.recompute import on_window_path, recompute
+from mot_jax.translate.recompute import check_share, on_window_path, recompute
 
 BASELINES = ("no_context", "native", "text_relay", "kvcomm")  # kvcomm: evals/kvcomm.py (one model family and depth)
 
@@ -275,11 +275,7 @@ class Recomputed(Translated):
     recomputes the same share of the shuffled translation."""
 
     def __init__(self, method: Translated, fraction: float):
-        if not method.window_path or not 0 < fraction <= 1:
-            raise MotJaxError(
-                f"Recomputation needs a direct translator on the dial's window path and a share in (0, 1]; "
-                f"{method.name} at {fraction} is not one."
-            )
+        check_share(method.translator, fraction, method.name)
         super().__init__(f"{method.name}{RECOMPUTING}{fraction:.0%}", method.translator, method.workdir, method.step)
         self.fraction = fraction
 

@@ -17,7 +17,7 @@ from mot_jax.jit import jit
 from mot_jax.models.base import CausalLM
 from mot_jax.models.cache import KVCache
 from mot_jax.translate import align as alignment_lib
-from mot_jax.translate.recompute import on_window_path, recompute
+from mot_jax.translate.recompute import check_share, recompute
 from mot_jax.translate.spec import TranslationSpec
 from mot_jax.translate.translator import KVTranslator, source_read, translate
 from mot_jax.translate.window import bottom_run, target_side
@@ -134,11 +134,8 @@ class CacheTranslator:
     def __init__(
         self, source, target, source_tokenizer, target_tokenizer, translator: KVTranslator, recompute: float = 0.0
     ):
-        if recompute and not (0 < recompute <= 1 and on_window_path(translator)):
-            raise MotJaxError(
-                f"recompute={recompute} needs a share in (0, 1] and a direct translator on the dial's window path; "
-                "pass recompute=0 for this translator."
-            )
+        if recompute:
+            check_share(translator, recompute, "the context")
         self.source, self.target, self.translator, self.recompute = source, target, translator, recompute
         self.source_tokenizer, self.target_tokenizer = source_tokenizer, target_tokenizer
 

@@ -14,6 +14,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from mot_jax.errors import MotJaxError
 from mot_jax.jit import jit
 from mot_jax.models.base import CausalLM, positions_from_mask
 from mot_jax.models.cache import KVCache
@@ -24,6 +25,16 @@ def on_window_path(translator) -> bool:
     """Whether a translator is direct on the dial's window path (no translation path of its own): what
     recomputation, and the dial's exact bottom, apply to."""
     return translator.spec.mode == "direct" and not kinds.get(translator.cfg.kind).translate
+
+
+def check_share(translator, share: float, name: str) -> None:
+    """Refuse, in one line, recomputing `share` of `name`'s tokens unless it is in (0, 1] and the translator is
+    direct on the dial's window path."""
+    if not (0 < share <= 1 and on_window_path(translator)):
+        raise MotJaxError(
+            f"Recomputing {share} of {name}'s tokens needs a share in (0, 1] and a direct translator on the dial's "
+            "window path; pass no recomputation for it."
+        )
 
 
 def recompute_count(fraction: float, length: int) -> int:
