@@ -185,3 +185,19 @@ def test_a_linear_translator_is_its_skip_alone(hf_pair, batch):
     np.testing.assert_allclose(got_k[rows], np.asarray(want)[rows], atol=1e-4, rtol=1e-4)
     with pytest.raises(MotJaxError, match="linear_skip=True"):
         make(source, target, 1, kind="linear")
+
+
+def test_a_linear_translator_never_builds_each_layers_copy_of_the_features(hf_pair, batch):
+    """The target-side features every window layer reads are multiplied once for all layers (`LinearSkip`'s
+    `shared`): the compiled translation holds no [B, T, W, ds + F] array of the joined inputs."""
+    source, target, _ = hf_pair
+    ids, mask = batch
+    inputs = ("source", "embeddings", "hidden")
+    linear = make(source, target, 1, inputs, kind="linear", linear_skip=True, output_activation="none")
+    source_cache, _ = source_prefill(source, ids, mask)
+    alignment = identity_alignment(*ids.shape, np.asarray(mask))
+    args = (linear, source, target, source_cache, alignment, ids, mask, None)
+    hlo = translate_jit.lower(*args, capacity=ids.shape[1]).compile().as_text()
+    layers = f"{ids.shape[1]},{linear.cfg.window},"
+    assert layers in hlo  # the per-layer source inputs are there, the joined ones not
+    assert f"[{ids.shape[0]},{layers}{linear.cfg.source_width}]" not in hlo

@@ -44,7 +44,7 @@ from mot_jax.models.layers import einsum, param
 from mot_jax.translate import kinds
 from mot_jax.translate.config import TranslatorConfig
 from mot_jax.translate.spec import TranslationSpec
-from mot_jax.translate.window import target_side, translate_window
+from mot_jax.translate.window import join_shared, target_side, translate_window
 
 
 def mixture_config(spec: TranslationSpec, source: CausalLM, target: CausalLM, **kwargs) -> TranslatorConfig:
@@ -71,8 +71,14 @@ class LinearSkip(nnx.Module):
         self.kernel = param(None, shape, ("layers", None, None), dtype, "zeros")
         self.bias = param(None, (cfg.window, cfg.target_width), ("layers", None), dtype, "zeros")
 
-    def __call__(self, x):
-        return einsum("btwi,wio->btwo", x, self.kernel[...]) + self.bias[...]
+    def __call__(self, x, shared=None):
+        """`shared` [B, T, F]: inputs every window layer reads after its own `x` (`window.join_shared`), multiplied
+        once for all layers rather than broadcast to each (the dial's features are most of the inputs)."""
+        kernel = self.kernel[...]
+        y = einsum("btwi,wio->btwo", x, kernel[:, : x.shape[-1]]) + self.bias[...]
+        if shared is not None:
+            y = y + einsum("btf,wfo->btwo", shared, kernel[:, x.shape[-1] :])
+        return y
 
 
 class KVTranslator(nnx.Module):
@@ -96,12 +102,14 @@ class KVTranslator(nnx.Module):
         if cfg.linear_skip:
             self.key_skip, self.value_skip = LinearSkip(cfg, dtype=dtype), LinearSkip(cfg, dtype=dtype)
 
-    def __call__(self, k, v, mask):
-        """Aligned source window vectors k, v [B, T, W, ds] -> translated k, v [B, T, W, dt] and the aux outputs."""
-        k_out, aux_k = self.key(k, mask)
-        v_out, aux_v = self.value(v, mask)
+    def __call__(self, k, v, mask, shared=None):
+        """Aligned source window vectors k, v [B, T, W, ds] and the inputs all window layers share [B, T, F] (or None)
+        -> translated k, v [B, T, W, dt] and the aux outputs. The modules read each layer's inputs joined; the linear
+        skip reads them in parts (under jit a module that ignores its inputs, the linear kind's, costs no join)."""
+        k_out, aux_k = self.key(join_shared(k, shared), mask)
+        v_out, aux_v = self.value(join_shared(v, shared), mask)
         if self.cfg.linear_skip:
-            k_out, v_out = k_out + self.key_skip(k), v_out + self.value_skip(v)
+            k_out, v_out = k_out + self.key_skip(k, shared), v_out + self.value_skip(v, shared)
         return k_out, v_out, {"key": aux_k, "value": aux_v}
 
 

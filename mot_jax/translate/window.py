@@ -106,30 +106,40 @@ def run_native_bottom(spec, target: CausalLM, target_ids, mask, cache):
     return cache, target_features(spec, target, target_ids, mask, hidden)
 
 
-def window_inputs(spec, source: CausalLM, target: CausalLM, source_cache, alignment, features=None):
-    """The translator's inputs, each [B, T, W, F]: the window's source K (un-rotated for rotary specs) and V on the
-    target grid (`spec.reads_source`), then the target-side `features` [B, T, Ft] of every window layer."""
-    parts_k, parts_v = [], []
+def window_parts(spec, source: CausalLM, target: CausalLM, source_cache, alignment, features=None):
+    """The translator's inputs in parts: each window layer's own, the source K (un-rotated for rotary specs) and V on
+    the target grid [B, T, W, ds] (width 0 unless `spec.reads_source`), and the target-side `features` [B, T, Ft] that
+    every window layer reads alike (or None)."""
     if spec.reads_source:
         source_freq, _ = rotary_tables(spec, source, target)
         k = window_block(source_cache.k, spec.source_layers, source_cache.positions, source_freq)
         v = window_block(source_cache.v, spec.source_layers)
-        parts_k.append(alignment_lib.resample(k, alignment.weights))
-        parts_v.append(alignment_lib.resample(v, alignment.weights))
-    if features is not None:
-        shared = jnp.broadcast_to(
-            features[:, :, None], (*features.shape[:2], len(spec.target_layers), features.shape[-1])
-        )
-        dtype = parts_k[0].dtype if parts_k else shared.dtype
-        parts_k.append(shared.astype(dtype))
-        parts_v.append(shared.astype(dtype))
-    return jnp.concatenate(parts_k, -1), jnp.concatenate(parts_v, -1)
+        k, v = alignment_lib.resample(k, alignment.weights), alignment_lib.resample(v, alignment.weights)
+    else:  # the features alone
+        k = v = jnp.zeros((*features.shape[:2], len(spec.target_layers), 0), features.dtype)
+    shared = None if features is None else features.astype(k.dtype)
+    return k, v, shared
+
+
+def join_shared(x, shared):
+    """A window layer's own inputs [B, T, W, ds] followed by the inputs all layers share [B, T, F] (None: none)."""
+    if shared is None:
+        return x
+    return jnp.concatenate([x, jnp.broadcast_to(shared[:, :, None], (*x.shape[:3], shared.shape[-1]))], -1)
+
+
+def window_inputs(spec, source: CausalLM, target: CausalLM, source_cache, alignment, features=None):
+    """The translator's inputs joined, each [B, T, W, F]: `window_parts`' own inputs of each layer, then the shared
+    features (what the least-squares start and the mixtures read)."""
+    k, v, shared = window_parts(spec, source, target, source_cache, alignment, features)
+    return join_shared(k, shared), join_shared(v, shared)
 
 
 def translate_window(translator, source: CausalLM, target: CausalLM, source_cache, alignment, mask, features=None):
     """The translated window K/V, each [W, B, Kt, T, dt], and the mixtures' aux outputs {"key": .., "value": ..}."""
     spec, t = translator.spec, target.config
-    k, v, aux = translator(*window_inputs(spec, source, target, source_cache, alignment, features), mask)
+    k, v, shared = window_parts(spec, source, target, source_cache, alignment, features)
+    k, v, aux = translator(k, v, mask, shared)
     pos = positions_from_mask(mask)
     if spec.outputs == "hidden":  # layer inputs: the target's own projections, k-norm and RoPE make the K/V
         k, v = target.window_key_values(spec.target_layers, k, v, pos)  # [B, T, W, Kt, dt]
