@@ -575,15 +575,18 @@ def target_positions(mask):
 
 
 class LinearSkip(nn.Module):
-    """Per window layer, x [B, T, W, ds] @ kernel [W, ds, dt] + bias [W, dt]."""
+    """Per window layer, x [B, T, W, ds] @ kernel [W, ds, dt] + bias [W, dt]; `shared` [B, T, F]: inputs every
+    layer reads after its own x, multiplied once for all layers (the JAX `LinearSkip`'s)."""
 
     def __init__(self, cfg: TorchTranslatorConfig):
         super().__init__()
         self.kernel = nn.Parameter(torch.zeros(cfg.window, cfg.source_width, cfg.target_width))
         self.bias = nn.Parameter(torch.zeros(cfg.window, cfg.target_width))
 
-    def forward(self, x):
-        return torch.einsum("btwi,wio->btwo", x, self.kernel) + self.bias
+    def forward(self, x, shared=None):
+        width = x.shape[-1]
+        y = torch.einsum("btwi,wio->btwo", x, self.kernel[:, :width]) + self.bias
+        return y if shared is None else y + torch.einsum("btf,wfo->btwo", shared, self.kernel[:, width:])
 
 
 def resample(weights, x):
@@ -717,24 +720,28 @@ class KVTranslator(nn.Module):
         calls = {"c2c": "fuse_window", "mot_h": "translate_streams", "interlat": "embed_latents"}
         if cfg.kind in calls:
             raise ValueError(f"A kind={cfg.kind!r} translator translates no K/V window; call {calls[cfg.kind]}.")
-        parts_k, parts_v, mask = [], [], target_mask
+        k_in = v_in = shared = None  # each window layer's own inputs [B, T, W, ds], those all share [B, T, F]
+        mask = target_mask
         if "source" in cfg.inputs:
-            k, v, mask = self._aligned(source_k, source_v, alignment_weights, target_mask, source_positions)
-            parts_k, parts_v = [k], [v]
+            k_in, v_in, mask = self._aligned(source_k, source_v, alignment_weights, target_mask, source_positions)
         given = {"embeddings": embeddings, "hidden": hidden}
+        features = []
         for name in (i for i in cfg.inputs if i != "source"):
             if given[name] is None:
                 raise ValueError(f"The translator reads the target's {name} (config inputs); pass {name}=[B, T, D].")
-            x = rms_normalized(torch.as_tensor(given[name]))
-            shared = x[:, :, None].expand(*x.shape[:2], cfg.window, x.shape[-1]).to(self.dtype)
-            parts_k.append(shared), parts_v.append(shared)
-        b, t = parts_k[0].shape[:2]
+            features.append(rms_normalized(torch.as_tensor(given[name])).to(self.dtype))
+        if features:
+            shared = torch.cat(features, -1)
+        b, t = (k_in if k_in is not None else shared).shape[:2]
         if "source" not in cfg.inputs:
-            mask = self._mask(target_mask, b, t, parts_k[0].device)
-        k_in, v_in = torch.cat(parts_k, -1), torch.cat(parts_v, -1)
-        k, v = self.key(k_in, mask), self.value(v_in, mask)
+            mask = self._mask(target_mask, b, t, shared.device)
+            k_in = v_in = shared.new_zeros(b, t, cfg.window, 0)
+        joined = lambda x: x if shared is None else torch.cat([x, shared[:, :, None].expand(b, t, cfg.window, -1)], -1)
+        k = v = 0  # kind='linear': the skips alone (eager PyTorch would build the joined copy for nothing)
+        if not isinstance(self.key, NoMixture):
+            k, v = self.key(joined(k_in), mask), self.value(joined(v_in), mask)
         if cfg.linear_skip:
-            k, v = k + self.key_skip(k_in), v + self.value_skip(v_in)
+            k, v = k + self.key_skip(k_in, shared), v + self.value_skip(v_in, shared)
         if cfg.outputs == "hidden":
             return k.permute(2, 0, 1, 3), v.permute(2, 0, 1, 3)
         return self._to_cache(k, v, mask)
