@@ -1,5 +1,7 @@
 """The linear skip beside the mixtures: its least-squares fit against the translated K/V it produces."""
 
+import tracemalloc
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -134,8 +136,6 @@ def test_each_layer_gets_the_ridge_its_held_out_batches_want():
 def test_the_solve_holds_one_layers_matrices_at_a_time():
     """The solve's float64 temporaries are one layer's [ds, ds], not the whole window's: a Qwen window of 24 layers of
     3,328 inputs would otherwise add several GB beside the models. The result is the batched closed form's."""
-    import tracemalloc
-
     rng = np.random.default_rng(2)
     layers, inputs, outputs = 8, 192, 4
     x, r = rng.normal(size=(400, layers, inputs)), rng.normal(size=(400, layers, outputs))
