@@ -16,7 +16,9 @@ from flax import nnx
 from mot_jax import multihost
 from mot_jax.errors import MotJaxError
 from mot_jax.models import tiny
+from mot_jax.paths import as_path
 from mot_jax.training import data
+from mot_jax.training.checkpoint import Checkpoints
 from mot_jax.training.trained import load_trained
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -114,6 +116,49 @@ def test_two_processes_train_as_one_and_checkpoints_move_between_them(tmp_path):
     assert "Resumed from step 3" in train(single, 5, processes=2, cache=cache)[0]
     assert_same(params(pair), params(single))
     assert not all(np.array_equal(x, y) for x, y in zip(pair_3, params(pair)))
+
+
+# Each process saves its rows of a sharded array to the last and the best checkpoint of the same steps at once.
+SAVE_BOTH = """
+import sys, jax, numpy as np
+from etils import epath
+jax.distributed.initialize(sys.argv[1], 2, int(sys.argv[2]))
+from mot_jax.training.checkpoint import Checkpoints
+sharding = jax.sharding.NamedSharding(jax.sharding.Mesh(jax.devices(), ("data",)), jax.sharding.PartitionSpec("data"))
+checkpoints = Checkpoints(epath.Path(sys.argv[3]), 2)
+for step in (1, 2, 3):
+    w = jax.make_array_from_callback((8, 16), sharding, lambda i: np.arange(128.0).reshape(8, 16)[i] * step)
+    checkpoints.save(step, dict(w=w), dict.fromkeys(("channel_map", "identity", "config"), 0), best=True)
+checkpoints.close()
+"""
+
+
+def test_two_processes_save_the_last_and_the_best_checkpoint_of_a_step_at_once(tmp_path):
+    env = os.environ | dict(XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    address = f"localhost:{free_port()}"
+    runs = [
+        subprocess.Popen(
+            [sys.executable, "-c", SAVE_BOTH, address, str(i), str(tmp_path / "run")],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    try:
+        outputs = [r.communicate(timeout=120)[0] for r in runs]  # the processes hung in Orbax's barriers before
+    finally:
+        for r in runs:
+            r.kill()
+    assert [r.returncode for r in runs] == [0, 0], "\n".join(before_dump(o) for o in outputs)
+    checkpoints = Checkpoints(as_path(tmp_path / "run"), 2, create=False)
+    state = dict(w=jax.numpy.zeros((8, 16)))
+    for which in ("last", "best"):
+        restored = checkpoints.restore(state, 3, which)["w"]
+        np.testing.assert_array_equal(np.asarray(restored), np.arange(128.0).reshape(8, 16) * 3)
+    checkpoints.close()
 
 
 def test_processes_that_see_different_workdirs_stop_with_the_reason(tmp_path):

@@ -21,7 +21,12 @@ META_KEYS = ("step", "channel_map", "identity", "config", "initial_validation", 
 
 
 def _manager(path, keep: int, create: bool) -> ocp.CheckpointManager:
-    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=create, enable_async_checkpointing=True)
+    # the two managers save the same step at once: Orbax's barriers between processes are named by the step, so each
+    # manager needs its own prefix or the processes of a multi-process run meet in the wrong barrier and hang
+    processes = ocp.options.MultiprocessingOptions(barrier_sync_key_prefix=path.name)
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=keep, create=create, enable_async_checkpointing=True, multiprocessing_options=processes
+    )
     return ocp.CheckpointManager(path, options=options)
 
 
