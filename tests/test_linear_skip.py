@@ -11,12 +11,20 @@ from flax import nnx
 from helpers import tiny_batch
 
 from mot_jax.jit import jit
+from mot_jax.models.base import first_valid_index
 from mot_jax.training import objective
 from mot_jax.translate import channels
-from mot_jax.translate.linear_skip import RIDGE_GRID, choose_ridge, held_out_error, linear_skip_sums, solve_linear_skip
+from mot_jax.translate.linear_skip import (
+    RIDGE_GRID,
+    choose_ridge,
+    held_out_error,
+    layer_products,
+    linear_skip_sums,
+    solve_linear_skip,
+)
 from mot_jax.translate.spec import TranslationSpec
 from mot_jax.translate.translator import KVTranslator, mixture_config
-from mot_jax.translate.window import run_native_bottom, translate_window
+from mot_jax.translate.window import run_native_bottom, translate_window, window_inputs
 
 
 @pytest.fixture(scope="module")
@@ -96,15 +104,44 @@ def test_least_squares_skip_minimises_the_translated_kv_error(pair, mode, rotary
 
 
 def statistics(x, r):
-    """`linear_skip_sums`'s statistics of explicit samples x [N, W, ds], r [N, W, dt], by their definition."""
+    """`linear_skip_sums`'s statistics of explicit samples x [N, W, F] (inputs of each layer's own), r [N, W, dt], by
+    their definition."""
     return dict(
         n=len(x),
         x=x.sum(0),
         r=r.sum(0),
         rr=np.square(r).sum((0, 2)),
-        xx=np.einsum("nwi,nwj->wij", x, x),
         xr=np.einsum("nwi,nwo->wio", x, r),
+        own_own=np.einsum("nwi,nwj->wij", x, x),
+        own_shared=np.zeros((x.shape[1], x.shape[2], 0)),
+        shared_shared=np.zeros((0, 0)),
     )
+
+
+def test_the_statistics_hold_the_shared_features_products_once_for_the_window(pair):
+    """The dial's target-side features, the same for every window layer, are most of its inputs: their products are
+    one block for the whole window, and each layer's assembled products are those of its joined inputs."""
+    source, target, batch = pair
+    ls, lt = source.config.num_layers, target.config.num_layers
+    dial = dict(native_bottom=1, inputs=("source", "embeddings", "hidden"))
+    spec = TranslationSpec.build("direct", channels.terminal(ls, lt, 0.5), ls, lt, rotary=True, **dial)
+    cfg = mixture_config(spec, source, target, dim=16, heads=2, depth=1, output_activation="none", linear_skip=True)
+    translator = KVTranslator(spec, cfg, rngs=nnx.Rngs(0))
+    source_cache, _, native = frozen_forwards(source, target, batch, topk=0)
+    mask, context = jnp.asarray(batch.context_mask), jnp.asarray(batch.context)
+    sums = jax.device_get(skip_sums(translator, source, target, source_cache, batch.alignment, native, mask, context))
+    _, features = run_native_bottom(spec, target, context, mask, target.init_cache(*context.shape))
+    joined = window_inputs(spec, source, target, source_cache, batch.alignment, features)
+    first = np.arange(mask.shape[1]) == np.asarray(first_valid_index(mask))[:, None]  # each row's first token: left out
+    weight = (np.asarray(mask) & ~first).astype(np.float64)[:, :, None, None]
+    shared = features.shape[-1]
+    for name, x in zip(("key", "value"), joined):
+        x = np.asarray(x, np.float64)
+        layers, inputs = x.shape[2:]
+        assert 0 < inputs - shared < shared and all(a.size < layers * shared**2 for a in jax.tree.leaves(sums[name]))
+        want = np.einsum("btwi,btwj->wij", x * weight, x)
+        for w in range(layers):
+            np.testing.assert_allclose(layer_products(sums[name], w), want[w], rtol=2e-5, atol=1e-3)
 
 
 def test_held_out_error_from_statistics_is_the_residual_of_the_samples():
@@ -144,7 +181,7 @@ def test_the_solve_holds_one_layers_matrices_at_a_time():
     kernel, bias, before, after = solve_linear_skip(sums, ridge=1e-3)
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
-    assert peak < layers * inputs * inputs * 8, peak  # below one window-wide [W, ds, ds] array in float64
+    assert peak < layers * inputs * inputs * 8, peak  # below one window-wide [W, F, F] array in float64
     centred = x - x.mean(0)
     cov = np.einsum("nwi,nwj->wij", centred, centred) / len(x)
     cov += 1e-3 * np.trace(cov, axis1=1, axis2=2)[:, None, None] / inputs * np.eye(inputs)

@@ -130,7 +130,7 @@ def join_shared(x, shared):
 
 def window_inputs(spec, source: CausalLM, target: CausalLM, source_cache, alignment, features=None):
     """The translator's inputs joined, each [B, T, W, F]: `window_parts`' own inputs of each layer, then the shared
-    features (what the least-squares start and the mixtures read)."""
+    features (what the mixtures read)."""
     k, v, shared = window_parts(spec, source, target, source_cache, alignment, features)
     return join_shared(k, shared), join_shared(v, shared)
 
