@@ -135,11 +135,11 @@ def test_native_answers_equal_the_target_reading_the_whole_prompt(pair, chat):
 def test_gold_log_probability_and_the_source_alone_equal_full_forwards(pair):
     """The gold answer's mean log-probability per token after the native cache equals a full forward's over prefix +
     suffix + " answer"; the source alone (the pair swapped) answers as the source generating from its own prompt in
-    one sequence, and its log-probability is the source's full forward's. Progress counts answers, over both passes."""
+    one sequence, and its log-probability is the source's full forward's. Progress counts answers, of both passes."""
     examples = synthetic.examples("extractive_qa", 3, seed=1)
     calls = []
     results = evaluate_examples(pair, [Native(), SourceAlone()], examples, SETTINGS, lambda *c: calls.append(c))
-    assert calls == [(2, 6), (3, 6), (5, 6), (6, 6)]  # batches of 2: the target's pass, then the source's
+    assert calls == [(4, 6), (6, 6)]  # batches of 2, each answered by the target's pass and the source's
     readers = (("native", pair.target, pair.target_tokenizer), ("source alone", pair.source, pair.source_tokenizer))
     for name, model, tokenizer in readers:
         for example, prediction in zip(examples, results[name]["predictions"], strict=True):
@@ -271,6 +271,10 @@ def test_a_failed_final_write_keeps_the_results_so_far_and_says_where(trained_wo
     names = ["no_context", "native", "source alone", "MoT replay", "MoT replay, shuffled source"]
     assert sorted((r["method"], r["index"]) for r in rows) == sorted((m, i) for m in names for i in range(4))
     assert all({"f1", "exact_match", "logprob"} <= set(r) for r in rows)  # scored as they are written
+    # batch by batch, every row in step (the source alone, answered with the pair swapped, too): a run stopped after
+    # the first batch has every row of it
+    order = [(r["method"], r["index"]) for r in rows]
+    assert max(order.index((m, i)) for m in names for i in (0, 1)) < min(order.index((m, 2)) for m in names)
     saved = json.loads((partial / "results.json").read_text())
     assert list(saved["tasks"]["extractive_qa"]["methods"]) == names and saved["meta"]["target"] == "random:gemma3"
     assert not out.exists()

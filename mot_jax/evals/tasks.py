@@ -4,6 +4,7 @@ questions (long_context is extractive at a context budget), `evaluate_agents` fo
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import numpy as np
 
@@ -74,31 +75,41 @@ class Options:
 def evaluate_examples(models, methods, examples, settings: Settings, progress=None, record=None) -> dict:
     """Scores of every method on the examples (extractive or closed-set): {method: {metric: value}, ...} plus
     per-example predictions under "predictions". `progress(done, total)` counts answers (a method's on one example)
-    after each method's batch, so a slow batch of many methods still shows; `record(method name, first example
+    after each batch of every method, so a slow batch of many methods still shows; `record(method name, first example
     index, predictions)` takes each batch's predictions (partial results). Methods that answer with the source
-    (`SourceAlone`) run in a second pass over the same examples, with the pair swapped."""
+    (`SourceAlone`) answer with the pair swapped, batch by batch beside the others: a stopped run's partial results
+    hold every row on the same examples."""
     passes = [[m for m in methods if not m.swaps], [m for m in methods if m.swaps]]
-    passes = [group for group in passes if group]
-    rows, total = {}, len(examples) * len(methods)
-    for group in passes:
+    rows, streams = {}, []
+    for group in [group for group in passes if group]:
         reader, reader_settings = group[0].reader(models, settings)
-        offset = len(examples) * len(rows)  # the answers of the passes before
-        done = (lambda d, offset=offset: progress(offset + d, total)) if progress else None
-        rows |= answer_examples(reader, group, examples, reader_settings, done, record)
+        streams.append(answer_batches(reader, group, examples, reader_settings, rows, record))
+    for _ in itertools.zip_longest(*streams):  # the passes batch the examples alike: one batch of each at a time
+        if progress:
+            progress(sum(len(r["predictions"]) for r in rows.values()), len(examples) * len(methods))
     closed = is_closed(examples)
     return {m.name: summarize(rows[m.name], examples, closed) for m in methods}
 
 
-def answer_examples(models, methods, examples, settings: Settings, progress=None, record=None) -> dict:
+def answer_examples(models, methods, examples, settings: Settings) -> dict:
     """Every method's raw rows (predictions, timings, bytes handed over) on the examples, answered by
-    `models.target`; open-answer predictions carry the gold answer's mean log-probability per token (`logprob`).
-    Each batch's caches, one per method, read the question and decode as one batch (`stack_rows`): decoding a
-    step costs about the same for many rows as for few, and each method is timed for its own cache and a share of
-    that answer stage. `progress(answers so far)` after each batch."""
+    `models.target` (`answer_batches` run to the end)."""
+    rows = {}
+    for _ in answer_batches(models, methods, examples, settings, rows):
+        pass
+    return rows
+
+
+def answer_batches(models, methods, examples, settings: Settings, rows: dict, record=None):
+    """Answer the examples batch by batch, yielding after each; every method's raw rows (predictions, timings, bytes
+    handed over) go into `rows` (by method name) as they come. Open-answer predictions carry the gold answer's mean
+    log-probability per token (`logprob`). Each batch's caches, one per method, read the question and decode as one
+    batch (`stack_rows`): decoding a step costs about the same for many rows as for few, and each method is timed for
+    its own cache and a share of that answer stage."""
     closed = is_closed(examples)
     eos = tuple(models.target.config.eos_ids)
     lines = line_flags(models.target_tokenizer, models.target.config.vocab_size)
-    rows = {m.name: dict(predictions=[], timed=[], handed=[]) for m in methods}
+    rows |= {m.name: dict(predictions=[], timed=[], handed=[]) for m in methods}
     for contexts, suffix_ids, suffix_mask in batches(models, examples, settings, donors=wants_donors(methods)):
         tokenizer = models.target_tokenizer
         options = Options.of(tokenizer, contexts.examples, contexts.chat) if closed else None
@@ -155,9 +166,7 @@ def answer_examples(models, methods, examples, settings: Settings, progress=None
             row["predictions"] += batch
             if record:
                 record(method.name, start, batch)
-        if progress:
-            progress(sum(len(r["predictions"]) for r in rows.values()))
-    return rows
+        yield
 
 
 def tiled(copies: int, *arrays) -> list:
