@@ -77,7 +77,7 @@ def layer_products(sums: dict, layer: int) -> np.ndarray:
 def solve_linear_skip(sums: dict, ridge=1e-3):
     """Least squares from summed statistics (`linear_skip_sums`, added over batches): per window layer the kernel and
     bias minimising the mean squared residual, with a ridge of `ridge` (one number, or one per window layer) x the
-    layer's mean input variance for stability. Returns (kernel [W, ds, dt], bias [W, dt], residual MSE before, after),
+    layer's mean input variance for stability. Returns (kernel [W, F, dt], bias [W, dt], residual MSE before, after),
     in float64. Solved a layer at a time: the whole window's [W, F, F] temporaries would take several GB beside the
     models (24 layers of 3,328 inputs are 2.1 GB per copy in float64)."""
     n = float(sums["n"])
