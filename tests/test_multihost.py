@@ -57,20 +57,30 @@ def run(processes: int, workdirs: list, steps: int, cache: Path) -> tuple[list[i
         JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
     )
     coordinator = [f"--coordinator_address=localhost:{free_port()}", f"--num_processes={processes}"]
-    paths = [Path(f"{workdirs[i]}.{steps}.{processes}.{i}.log") for i in range(processes)]  # files: no pipe fills up
+    commands = [
+        [sys.executable, "-m", "mot_jax.train", *FLAGS, f"--workdir={workdirs[i]}", f"--config.steps={steps}"]
+        + (coordinator + [f"--process_id={i}"] if processes > 1 else [])
+        for i in range(processes)
+    ]
+    logs = [Path(f"{workdirs[i]}.{steps}.{processes}.{i}.log") for i in range(processes)]
+    return run_together(commands, env, logs, timeout=900)
+
+
+def run_together(commands: list, env: dict, logs: list, timeout: float) -> tuple[list[int], list[str]]:
+    """Start the commands at once, each writing its output to its log file (a file: no pipe fills up), and wait for
+    all; returns their exit codes and outputs. One still running after `timeout` seconds fails the test (and is
+    killed, like any left running)."""
     runs = []
     try:
-        for i, path in enumerate(paths):
-            command = [sys.executable, "-m", "mot_jax.train", *FLAGS, f"--workdir={workdirs[i]}"]
-            command += [f"--config.steps={steps}", *(coordinator + [f"--process_id={i}"] if processes > 1 else [])]
+        for command, path in zip(commands, logs, strict=True):
             with open(path, "w") as log:
                 runs.append(subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
-        codes = [r.wait(timeout=900) for r in runs]
+        codes = [r.wait(timeout=timeout) for r in runs]
     finally:
         for r in runs:
             if r.poll() is None:
                 r.kill()
-    return codes, [path.read_text() for path in paths]
+    return codes, [Path(path).read_text() for path in logs]
 
 
 def before_dump(log: str) -> str:
@@ -136,23 +146,10 @@ checkpoints.close()
 def test_two_processes_save_the_last_and_the_best_checkpoint_of_a_step_at_once(tmp_path):
     env = os.environ | dict(XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
     address = f"localhost:{free_port()}"
-    runs = [
-        subprocess.Popen(
-            [sys.executable, "-c", SAVE_BOTH, address, str(i), str(tmp_path / "run")],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for i in range(2)
-    ]
-    try:
-        outputs = [r.communicate(timeout=120)[0] for r in runs]  # the processes hung in Orbax's barriers before
-    finally:
-        for r in runs:
-            r.kill()
-    assert [r.returncode for r in runs] == [0, 0], "\n".join(before_dump(o) for o in outputs)
+    commands = [[sys.executable, "-c", SAVE_BOTH, address, str(i), str(tmp_path / "run")] for i in range(2)]
+    # the processes hung in Orbax's barriers before (until JAX's 300 s shutdown timeout)
+    codes, outputs = run_together(commands, env, [tmp_path / f"{i}.log" for i in range(2)], timeout=120)
+    assert codes == [0, 0], "\n".join(before_dump(o) for o in outputs)
     checkpoints = Checkpoints(as_path(tmp_path / "run"), 2, create=False)
     state = dict(w=jax.numpy.zeros((8, 16)))
     for which in ("last", "best"):

@@ -79,9 +79,9 @@ def evaluate_examples(models, methods, examples, settings: Settings, progress=No
     index, predictions)` takes each batch's predictions (partial results). Methods that answer with the source
     (`SourceAlone`) answer with the pair swapped, batch by batch beside the others: a stopped run's partial results
     hold every row on the same examples."""
-    passes = [[m for m in methods if not m.swaps], [m for m in methods if m.swaps]]
+    passes = [group for group in ([m for m in methods if not m.swaps], [m for m in methods if m.swaps]) if group]
     rows, streams = {}, []
-    for group in [group for group in passes if group]:
+    for group in passes:
         reader, reader_settings = group[0].reader(models, settings)
         streams.append(answer_batches(reader, group, examples, reader_settings, rows, record))
     for _ in itertools.zip_longest(*streams):  # the passes batch the examples alike: one batch of each at a time
