@@ -148,3 +148,42 @@ def test_bfloat16_single_row_prefill_and_decode_copy_no_weight_to_f32(family):
         hlo = compiled.as_text()
         assert set(dots_of(hlo)) == {("f32", "bf16", "bf16")}, dots_of(hlo)
         assert not f32_copies(hlo, shapes), f32_copies(hlo, shapes)
+
+
+def loop_body_arrays(hlo: str, shapes) -> list[str]:
+    """Instructions in the bodies of while loops (outside fusion bodies) that write an array of one of `shapes` (a
+    copy, a slice, a fusion: not a view such as a tuple element or a bitcast)."""
+    loops = set(re.findall(r"body=%([\w.\-]+)", hlo))
+    wanted = {",".join(map(str, shape)) for shape in shapes}
+    found = []
+    for computation in re.split(r"\n(?=\S)", hlo):
+        name = re.match(r"(?:ENTRY )?%([\w.\-]+)", computation)
+        if name and name.group(1) in loops:
+            made = re.findall(r"(%[\w.\-]+ = \w+\[([\d,]*)\]\S* ([\w\-]+)\()", computation)
+            found += [
+                m[0] for m in made if m[1] in wanted and m[2] not in ("get-tuple-element", "bitcast", "parameter")
+            ]
+    return found
+
+
+@pytest.mark.parametrize("family", ["gpt2", "qwen2"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_greedy_decoding_reads_each_layers_weights_where_they_lie(family, dtype):
+    """The decoding loop of `generate` (and of the evaluation's answers, through `greedy_continue`) makes no copy of a
+    layer's weights per token: a scan over the stacked layers slices each layer's weights out of the stack on every
+    pass, so a single-sequence decode step moved the model's weights twice more than reading them. The tokens equal
+    those of the scan."""
+    config = tiny.hf_config(f"random:{family}")
+    model = build_model(FAMILIES[config["model_type"]][0].config_from_hf(config), dtype)
+    layer_matrices = [x.shape[1:] for x in jax.tree.leaves(nnx.state(model.layers)) if x.ndim >= 3]
+    ids = jnp.asarray(np.random.default_rng(0).integers(3, config["vocab_size"], size=(1, 12)))
+    hlo = generation.generate.lower(model, ids, max_new_tokens=5, eos_ids=()).compile().as_text()
+    assert layer_matrices and not loop_body_arrays(hlo, layer_matrices), loop_body_arrays(hlo, layer_matrices)
+    tokens = generation.generate(model, ids, max_new_tokens=5, eos_ids=())
+    _, cache = generation.prefill(model, ids, capacity=17)
+    steps, token = [], jnp.argmax(model(ids)[0][:, -1], -1)
+    for _ in range(5):
+        steps.append(token)
+        logits, cache = generation.decode_step(model, token, cache)
+        token = jnp.argmax(logits, -1)
+    np.testing.assert_array_equal(np.asarray(tokens)[0], np.concatenate(steps))

@@ -312,7 +312,8 @@ def bench_models(plan: Plan) -> Section:
             if decode:
                 body += [
                     f"Greedy decode after a {plan.decode_prompt}-token prompt, batch 1: a jitted step into a "
-                    "preallocated cache (mot_jax: the whole loop is one `lax.scan`) against transformers `generate` "
+                    "preallocated cache (mot_jax: the whole loop is one program, its steps over each layer's weights "
+                    "sliced from the stack once) against transformers `generate` "
                     f"(its dynamic cache); rate = {plan.decode_tokens - 1} tokens / (time for {plan.decode_tokens} "
                     "new tokens - time for 1).",
                     decode_table(decode),

@@ -128,11 +128,12 @@ def line_flags(tokenizer, vocab_size: int) -> jax.Array:
     return jnp.asarray(flags)
 
 
-def read_and_score(target, cache, suffix_ids, suffix_mask, choice_ids, choice_mask):
+def read_and_score(target, cache, suffix_ids, suffix_mask, choice_ids, choice_mask, layers=None):
     """The target reads each row's suffix then its choice tokens after the context cache: (the final hidden state of
-    its last suffix token [B, D], the choice's mean log-probability per token [B], the cache holding both)."""
+    its last suffix token [B, D], the choice's mean log-probability per token [B], the cache holding both). `layers`:
+    see `CausalLM.run_layers`."""
     ids, mask = jnp.concatenate([suffix_ids, choice_ids], 1), jnp.concatenate([suffix_mask, choice_mask], 1)
-    hidden, cache = target.hidden_states(ids, mask, cache=cache)
+    hidden, cache = target.hidden_states(ids, mask, cache=cache, layers=layers)
     first = hidden[jnp.arange(ids.shape[0]), last_valid_index(suffix_mask)]  # predicts the first choice token
     predictors = jnp.concatenate([first[:, None], hidden[:, suffix_ids.shape[1] : -1]], 1)
     logp = jax.nn.log_softmax(target.unembed(predictors).astype(jnp.float32), axis=-1)
@@ -160,10 +161,12 @@ def answer_and_logprob_jit(
     target, cache, suffix_ids, suffix_mask, gold_ids, gold_mask, *, max_new_tokens, eos_ids, lines
 ):
     after_suffix = cache.index + suffix_ids.shape[1]
-    last, logprob, cache = read_and_score(target, cache, suffix_ids, suffix_mask, gold_ids, gold_mask)
+    layers = target.layer_params()  # one copy of the weights for the read and every decoding step
+    last, logprob, cache = read_and_score(target, cache, suffix_ids, suffix_mask, gold_ids, gold_mask, layers)
     freed = jax.lax.dynamic_update_slice(cache.valid, jnp.zeros(gold_mask.shape, bool), (0, after_suffix))
     cache = cache.replace(valid=freed, index=after_suffix)
-    return greedy_continue(target, target.unembed(last), cache, max_new_tokens, eos_ids, lines), logprob
+    answers = greedy_continue(target, target.unembed(last), cache, max_new_tokens, eos_ids, lines, layers)
+    return answers, logprob
 
 
 @dataclasses.dataclass

@@ -224,17 +224,27 @@ class CausalLM(nnx.Module):
         dtype = dtype or self.param_dtype
         return KVCache.init(cfg.num_layers, batch, cfg.num_kv_heads, capacity, cfg.head_dim, dtype)
 
-    def __call__(self, input_ids, attention_mask=None, positions=None, cache=None, logits_to_keep=None):
-        hidden, cache = self.hidden_states(input_ids, attention_mask, positions, cache)
+    def __call__(self, input_ids, attention_mask=None, positions=None, cache=None, logits_to_keep=None, layers=None):
+        hidden, cache = self.hidden_states(input_ids, attention_mask, positions, cache, layers=layers)
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
         return self.unembed(hidden), cache
 
-    def hidden_states(self, input_ids, attention_mask=None, positions=None, cache=None, fresh=False):
+    def hidden_states(self, input_ids, attention_mask=None, positions=None, cache=None, fresh=False, layers=None):
         """The final-normed hidden states [B, T, D] and the extended cache. `fresh=True` promises that `cache` is
-        empty (as `init_cache` returns it), which lets a long prefill skip causally masked key blocks."""
-        hidden, cache, _ = self.run_layers(input_ids, attention_mask, positions, cache, fresh=fresh)
+        empty (as `init_cache` returns it), which lets a long prefill skip causally masked key blocks. `layers`: see
+        `run_layers`."""
+        hidden, cache, _ = self.run_layers(input_ids, attention_mask, positions, cache, fresh=fresh, layers=layers)
         return hidden, cache
+
+    def layer_params(self) -> list:
+        """Each layer's parameters as arrays of their own, sliced from the stacked weights once, for `run_layers`'s
+        `layers`. The layer scan copies each layer's weights out of the stack on every pass, which in a loop of
+        single-token steps moves the whole model twice more per token than reading it; a loop that runs the layers
+        over these reads them where they lie. (bf16 weights are sliced as their bits: see `bf16_as_bits`.)"""
+        _, stacked = nnx.split(self.layers)
+        bits = bf16_as_bits(stacked)
+        return [bits_as_bf16(jax.tree.map(lambda a, i=i: a[i], bits)) for i in range(self.config.num_layers)]
 
     def run_layers(
         self,
@@ -249,6 +259,7 @@ class CausalLM(nnx.Module):
         layer_inputs=False,
         view=LayerCache,
         embeddings=None,
+        layers=None,
     ):
         """`hidden_states` with an optional `Injection`, and with `topk > 0` also each layer's top-k attended keys
         (head-averaged attention weights) as [L, B, T, topk] slot indices (else None). With `stop` only layers
@@ -258,7 +269,8 @@ class CausalLM(nnx.Module):
         `LayerCache`); what it leaves in `topk_indices` is stacked over layers and returned (a subclass may record
         another per-layer statistic there: KVComm's calibration records attention mass). `embeddings` [B, T, E] replace
         the token embeddings of `input_ids` (transformers' `inputs_embeds`, `token_embeddings`: Interlat's latents);
-        `input_ids` then give only the shape."""
+        `input_ids` then give only the shape. `layers` (from `layer_params`, computed outside a loop over tokens)
+        runs the layers one after another in the program, each on its own arrays, instead of a scan over the stack."""
         batch, length = input_ids.shape
         mask = jnp.ones((batch, length), bool) if attention_mask is None else attention_mask.astype(bool)
         if cache is None:
@@ -291,7 +303,15 @@ class CausalLM(nnx.Module):
         xs = (bf16_as_bits(stacked), jnp.arange(self.config.num_layers), per_layer)
         if stop is not None:
             xs = jax.tree.map(lambda a: a[:stop], xs)
-        (x, k, v), (topk_indices, inputs) = jax.lax.scan(body, (x, cache.k, cache.v), xs)
+        if layers is None:
+            (x, k, v), (topk_indices, inputs) = jax.lax.scan(body, (x, cache.k, cache.v), xs)
+        else:
+            carry, ys = (x, cache.k, cache.v), []
+            for layer, params in enumerate(layers[:stop]):
+                own = jax.tree.map(lambda a, layer=layer: a[layer], per_layer)
+                carry, y = body(carry, (params, jnp.int32(layer), own))
+                ys.append(y)
+            (x, k, v), (topk_indices, inputs) = carry, jax.tree.map(lambda *a: jnp.stack(a), *ys)
         cache = cache.replace(k=k, v=v, index=cache.index + length)
         out = (x if stop is not None else self.final_norm(x)), cache, topk_indices
         return (*out, inputs) if layer_inputs else out

@@ -11,10 +11,11 @@ from mot_jax.jit import jit
 from mot_jax.models.base import last_valid_index
 
 
-def _prefill(model, input_ids, attention_mask, capacity):
+def _prefill(model, input_ids, attention_mask, capacity, layers=None):
     batch, length = input_ids.shape
     mask = jnp.ones((batch, length), bool) if attention_mask is None else attention_mask.astype(bool)
-    hidden, cache = model.hidden_states(input_ids, mask, cache=model.init_cache(batch, capacity or length), fresh=True)
+    cache = model.init_cache(batch, capacity or length)
+    hidden, cache = model.hidden_states(input_ids, mask, cache=cache, fresh=True, layers=layers)
     return model.unembed(hidden[jnp.arange(batch), last_valid_index(mask)]), cache
 
 
@@ -35,7 +36,7 @@ LINE_TEXT, LINE_BREAK, TEXT_BEFORE_BREAK = 1, 2, 4  # bit flags per token id of 
 MIN_DECODE_ROWS = 8  # `greedy_continue` decodes fewer rows than the batch down to this many
 
 
-def greedy_continue(model, logits, cache, max_new_tokens, eos_ids=None, lines=None):
+def greedy_continue(model, logits, cache, max_new_tokens, eos_ids=None, lines=None, layers=None):
     """Greedy decoding from the logits of each row's last token and the cache holding its prompt: [B, n] ids.
 
     After a row emits an end-of-sequence token (`eos_ids`, a tuple, default the config's; `()` never stops) it
@@ -44,7 +45,8 @@ def greedy_continue(model, logits, cache, max_new_tokens, eos_ids=None, lines=No
     first line of text (a break after non-blank text: where answers are cut) and then emits the first end token.
     The loop stops once every row has ended, so a batch of short answers costs only their steps; and once no more
     rows run than half the batch, it goes on with those rows alone (halving again, down to `MIN_DECODE_ROWS`), so
-    a few long answers do not keep every row's step running.
+    a few long answers do not keep every row's step running. `layers`: the model's `layer_params()`, if the program
+    has them already (the steps run the layers on those, not as a scan that copies each layer's weights every step).
     Traced: call it inside a jitted function.
     """
     eos_ids = model.config.eos_ids if eos_ids is None else eos_ids
@@ -71,6 +73,7 @@ def greedy_continue(model, logits, cache, max_new_tokens, eos_ids=None, lines=No
     sizes = [batch]
     while sizes[-1] // 2 >= MIN_DECODE_ROWS:
         sizes.append(sizes[-1] // 2)
+    layers = model.layer_params() if layers is None else layers
     i, token, started, rows = jnp.int32(1), first, jnp.zeros(batch, bool), jnp.arange(batch)
     last, written = first, jnp.ones(batch, jnp.int32)
     for phase, size in enumerate(sizes):
@@ -88,7 +91,7 @@ def greedy_continue(model, logits, cache, max_new_tokens, eos_ids=None, lines=No
         def step(carry, rows=rows):
             i, token, started, cache, out, last, written = carry
             done, started = ended(token, started)
-            logits, cache = model(token[:, None], cache=cache)
+            logits, cache = model(token[:, None], cache=cache, layers=layers)
             new = jnp.where(done, filler(token), jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32))
             out = out.at[rows, i].set(new)
             return i + 1, new, started, cache, out, last.at[rows].set(new), written.at[rows].set(i + 1)
@@ -104,8 +107,9 @@ def generate(model, input_ids, attention_mask=None, *, max_new_tokens, eos_ids=N
 
     Returns [B, max_new_tokens] token ids (see `greedy_continue` for the end-of-sequence rule).
     """
-    logits, cache = _prefill(model, input_ids, attention_mask, input_ids.shape[1] + max_new_tokens)
-    return greedy_continue(model, logits, cache, max_new_tokens, eos_ids)
+    layers = model.layer_params()
+    logits, cache = _prefill(model, input_ids, attention_mask, input_ids.shape[1] + max_new_tokens, layers)
+    return greedy_continue(model, logits, cache, max_new_tokens, eos_ids, layers=layers)
 
 
 def generate_from_cache(model, cache, input_ids, attention_mask=None, *, max_new_tokens, eos_ids=None, lines=None):
@@ -136,6 +140,7 @@ def check_room(cache, tokens: int) -> None:
 def generate_from_cache_jit(model, cache, input_ids, attention_mask=None, *, max_new_tokens, eos_ids=None, lines=None):
     """`generate_from_cache` as one program, without its room check (for timing and lowering)."""
     mask = jnp.ones(input_ids.shape, bool) if attention_mask is None else attention_mask
-    hidden, cache = model.hidden_states(input_ids, mask, cache=cache)
+    layers = model.layer_params()
+    hidden, cache = model.hidden_states(input_ids, mask, cache=cache, layers=layers)
     logits = model.unembed(hidden[jnp.arange(hidden.shape[0]), last_valid_index(mask)])
-    return greedy_continue(model, logits, cache, max_new_tokens, eos_ids, lines)
+    return greedy_continue(model, logits, cache, max_new_tokens, eos_ids, lines, layers)
