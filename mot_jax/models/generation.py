@@ -11,11 +11,10 @@ from mot_jax.jit import jit
 from mot_jax.models.base import last_valid_index
 
 
-def _prefill(model, input_ids, attention_mask, capacity, layers=None):
+def _prefill(model, input_ids, attention_mask, capacity):
     batch, length = input_ids.shape
     mask = jnp.ones((batch, length), bool) if attention_mask is None else attention_mask.astype(bool)
-    cache = model.init_cache(batch, capacity or length)
-    hidden, cache = model.hidden_states(input_ids, mask, cache=cache, fresh=True, layers=layers)
+    hidden, cache = model.hidden_states(input_ids, mask, cache=model.init_cache(batch, capacity or length), fresh=True)
     return model.unembed(hidden[jnp.arange(batch), last_valid_index(mask)]), cache
 
 
@@ -103,13 +102,13 @@ def greedy_continue(model, logits, cache, max_new_tokens, eos_ids=None, lines=No
 
 @jit(static_argnames=("max_new_tokens", "eos_ids"))
 def generate(model, input_ids, attention_mask=None, *, max_new_tokens, eos_ids=None):
-    """Greedy decoding as one program: prefill into a preallocated cache, then a scan of single-token steps.
+    """Greedy decoding as one program: prefill into a preallocated cache (the layer scan: its copies of each layer's
+    weights are shared by the prompt's tokens), then a loop of single-token steps.
 
     Returns [B, max_new_tokens] token ids (see `greedy_continue` for the end-of-sequence rule).
     """
-    layers = model.layer_params()
-    logits, cache = _prefill(model, input_ids, attention_mask, input_ids.shape[1] + max_new_tokens, layers)
-    return greedy_continue(model, logits, cache, max_new_tokens, eos_ids, layers=layers)
+    logits, cache = _prefill(model, input_ids, attention_mask, input_ids.shape[1] + max_new_tokens)
+    return greedy_continue(model, logits, cache, max_new_tokens, eos_ids)
 
 
 def generate_from_cache(model, cache, input_ids, attention_mask=None, *, max_new_tokens, eos_ids=None, lines=None):
