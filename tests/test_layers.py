@@ -169,19 +169,22 @@ def loop_body_arrays(hlo: str, shapes) -> list[str]:
 @pytest.mark.parametrize("family", ["gpt2", "qwen2"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_greedy_decoding_reads_each_layers_weights_where_they_lie(family, dtype):
-    """The decoding loop of `generate` (and of the evaluation's answers, through `greedy_continue`) makes no copy of a
-    layer's weights per token: a scan over the stacked layers slices each layer's weights out of the stack on every
-    pass, so a single-sequence decode step moved the model's weights twice more than reading them. The tokens equal
-    those of the scan."""
+    """Decoding after a cache (`generate_from_cache`, as the evaluation's answers: the question's read and every step
+    through `greedy_continue`) makes no copy of a layer's weights in its loop: a scan over the stacked layers slices
+    each layer's weights out of the stack on every pass, so a single-sequence decode step moved the model's weights
+    twice more than it read them. The tokens equal those of step-by-step decoding through the scan."""
     config = tiny.hf_config(f"random:{family}")
     model = build_model(FAMILIES[config["model_type"]][0].config_from_hf(config), dtype)
     layer_matrices = [x.shape[1:] for x in jax.tree.leaves(nnx.state(model.layers)) if x.ndim >= 3]
-    ids = jnp.asarray(np.random.default_rng(0).integers(3, config["vocab_size"], size=(1, 12)))
-    hlo = generation.generate.lower(model, ids, max_new_tokens=5, eos_ids=()).compile().as_text()
+    rng = np.random.default_rng(0)
+    ids, question = (jnp.asarray(rng.integers(3, config["vocab_size"], size=(1, n))) for n in (12, 3))
+    _, cache = generation.prefill(model, ids, capacity=20)
+    decode = dict(max_new_tokens=5, eos_ids=())
+    hlo = generation.generate_from_cache_jit.lower(model, cache, question, **decode).compile().as_text()
     assert layer_matrices and not loop_body_arrays(hlo, layer_matrices), loop_body_arrays(hlo, layer_matrices)
-    tokens = generation.generate(model, ids, max_new_tokens=5, eos_ids=())
-    _, cache = generation.prefill(model, ids, capacity=17)
-    steps, token = [], jnp.argmax(model(ids)[0][:, -1], -1)
+    tokens = generation.generate_from_cache(model, cache, question, **decode)
+    logits, cache = model(question, cache=cache)
+    steps, token = [], jnp.argmax(logits[:, -1], -1)
     for _ in range(5):
         steps.append(token)
         logits, cache = generation.decode_step(model, token, cache)
