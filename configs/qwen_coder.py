@@ -17,8 +17,8 @@ Two changes from the quickstart: the start fits on 16 batches with each layer's 
 
 `:reverse` translates the 1.5B's cache into the 0.5B's (its bottom 6 of 24 layers exact): C2C's regime, where a
 stronger sharer might lift the small target above its own native score. With `:questions` it does not: F1 0.283 on
-128 extractive examples against the 0.5B's native 0.695 (above its shuffled source, 0.163; 1:05 and 15.3 GB on a
-2-core CPU: docs/results/2026-12-05-qwen-reverse.md). `:tiny` (or `:reverse,tiny`) runs either on
+128 extractive examples against the 0.5B's native 0.695 (above its shuffled source, 0.163; about an hour and 15.3 GB
+on a 2-core CPU: docs/results/2026-12-05-qwen-reverse.md). `:tiny` (or `:reverse,tiny`) runs either on
 tiny random qwen2 models (`random:qwen2` -> `random:qwen2-large`, one tokenizer) in seconds.
 
 `:kvp` trains the KV-Prediction recipe instead (`kind=kv_prediction`, arXiv 2410.08391; issue 41): the 1.5B reads
