@@ -119,14 +119,18 @@ def test_bfloat16_prefill_compiles_every_dot_on_bf16_operands_into_f32(family, m
 def f32_copies(hlo: str, shapes) -> list[str]:
     """Instructions outside fusion bodies (whose elements XLA computes where they are read) that make an f32 array
     of one of `shapes`: a weight, table or cache copied to f32 whole."""
-    bodies = set(re.findall(r"calls=%([\w.\-]+)", hlo))
     wanted = {",".join(map(str, shape)) for shape in shapes}
     found = []
-    for computation in re.split(r"\n(?=\S)", hlo):
-        name = re.match(r"(?:ENTRY )?%([\w.\-]+)", computation)
-        if name and name.group(1) not in bodies:
-            found += [m[0] for m in re.findall(r"(%[\w.\-]+ = f32\[([\d,]*)\])", computation) if m[1] in wanted]
+    for computation in computations(hlo).values():
+        found += [m[0] for m in re.findall(r"(%[\w.\-]+ = f32\[([\d,]*)\])", computation) if m[1] in wanted]
     return found
+
+
+def computations(hlo: str) -> dict[str, str]:
+    """Each computation of HLO text by name, but fusion bodies (computed where their elements are read)."""
+    bodies = set(re.findall(r"calls=%([\w.\-]+)", hlo))
+    named = ((re.match(r"(?:ENTRY )?%([\w.\-]+)", c), c) for c in re.split(r"\n(?=\S)", hlo))
+    return {m.group(1): c for m, c in named if m and m.group(1) not in bodies}
 
 
 @pytest.mark.parametrize("family", ["gpt2", "opt", "qwen2", "gemma3"])
@@ -155,14 +159,12 @@ def loop_body_arrays(hlo: str, shapes) -> list[str]:
     copy, a slice, a fusion: not a view such as a tuple element or a bitcast)."""
     loops = set(re.findall(r"body=%([\w.\-]+)", hlo))
     wanted = {",".join(map(str, shape)) for shape in shapes}
+    views = ("get-tuple-element", "bitcast", "parameter")
     found = []
-    for computation in re.split(r"\n(?=\S)", hlo):
-        name = re.match(r"(?:ENTRY )?%([\w.\-]+)", computation)
-        if name and name.group(1) in loops:
+    for name, computation in computations(hlo).items():
+        if name in loops:
             made = re.findall(r"(%[\w.\-]+ = \w+\[([\d,]*)\]\S* ([\w\-]+)\()", computation)
-            found += [
-                m[0] for m in made if m[1] in wanted and m[2] not in ("get-tuple-element", "bitcast", "parameter")
-            ]
+            found += [m[0] for m in made if m[1] in wanted and m[2] not in views]
     return found
 
 
