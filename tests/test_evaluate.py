@@ -507,7 +507,7 @@ def test_a_swapped_band_takes_those_layers_from_the_donors_native_cache(pair, mo
     the identity); the bands are the target's quarters; a batch's native row and all its bands run two prefills
     (the rows', the donors'); a bad diagnose is refused in one line."""
     from mot_jax.evals import methods
-    from mot_jax.evals.methods import SwappedBand, bands
+    from mot_jax.evals.methods import SwappedBand, band_spans, bands
     from mot_jax.models.generation import prefill
 
     examples = synthetic.examples("extractive_qa", 2, seed=8)
@@ -528,8 +528,15 @@ def test_a_swapped_band_takes_those_layers_from_the_donors_native_cache(pair, mo
         method.build(pair, contexts, contexts.length, Stopwatch())
     assert [ids is contexts.ids for ids in calls] == [True, False]
     assert bands(2)[0].name == "native, layers 0-0 from another example" and len(bands(2)) == 2
-    with pytest.raises(MotJaxError, match="diagnose='layers' is not a diagnostic; pass bands, or nothing"):
-        run.evaluate("/nonexistent", small_config(diagnose="layers"))
+    # named bands: layers A to B as the rows name them, checked against the target's depth once it is loaded
+    named = bands(8, band_spans("bands:0-5, 3-7,2-2"))
+    assert [(b.lo, b.hi) for b in named] == [(0, 6), (3, 8), (2, 3)] and named[0].name.startswith("native, layers 0-5 ")
+    assert band_spans("bands") is None
+    with pytest.raises(MotJaxError, match=r"layers 6-8 is past the target's 8 layers \(0-7\); pass bands within"):
+        bands(8, band_spans("bands:6-8"))
+    for bad in ("layers", "bands:", "bands:3-1", "bands:1", "bands:0-2,x"):
+        with pytest.raises(MotJaxError, match=rf"diagnose={re.escape(repr(bad))} is not a diagnostic; pass bands "):
+            run.evaluate("/nonexistent", small_config(diagnose=bad))
 
 
 def test_each_timed_run_reads_the_source_and_runs_the_bottom_anew(pair, monkeypatch):

@@ -29,7 +29,9 @@ def defaults() -> ml_collections.ConfigDict:
     c.which = "last"  # the checkpoint evaluated: last | best (validation loss) | a step number
     c.shuffled_source = True  # a control row beside each translated method: translated from another example's source
     c.source_alone = True  # with a translator, a row of the source reading the context and answering itself
-    c.diagnose = ""  # "bands": rows of native context with a quarter of the target's layers from another example
+    # "bands": rows of native context with a quarter of the target's layers from another example; "bands:0-20,14-27"
+    # names the bands (layers 0 to 20, 14 to 27)
+    c.diagnose = ""
     # each direct translator on the dial's window path once per share of context tokens whose K/V the target
     # recomputes above its exact bottom (0: as translated; those the translation got most wrong; translate/recompute.py)
     c.recompute = "0"

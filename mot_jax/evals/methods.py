@@ -18,6 +18,7 @@ Methods (all on the same examples, in one run):
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 
 import jax
@@ -357,10 +358,33 @@ def swap_band(cache, donor, carried, mask, lo: int, hi: int):
     return dataclasses.replace(cache, k=swapped(cache.k, donor.k), v=swapped(cache.v, donor.v))
 
 
-def bands(num_layers: int, count: int = 4) -> list[SwappedBand]:
-    """The diagnostic's rows: `count` contiguous bands of the target's layers (quarters by default)."""
-    edges = [round(i * num_layers / count) for i in range(count + 1)]
-    return [SwappedBand(lo, hi) for lo, hi in zip(edges, edges[1:]) if hi > lo]
+def band_spans(diagnose: str) -> list[tuple[int, int]] | None:
+    """The layer bands `--config.diagnose` names, as [lo, hi) spans: None for `bands` (the target's quarters), the
+    listed ones for `bands:A-B,C-D` (layers A to B, counted from 0, as the rows name them); None for no diagnostic is
+    `diagnose=""`'s. Anything else is refused in one line."""
+    kind, colon, listed = diagnose.partition(":")
+    spans = [re.fullmatch(r"(\d+)-(\d+)", part.strip()) for part in listed.split(",")] if listed else []
+    if kind != "bands" or (colon and not spans) or not all(m and int(m[1]) <= int(m[2]) for m in spans):
+        raise MotJaxError(
+            f"diagnose={diagnose!r} is not a diagnostic; pass bands (the target's quarters), bands:A-B,C-D (layers A "
+            "to B, from 0), or nothing."
+        )
+    return [(int(m[1]), int(m[2]) + 1) for m in spans] or None
+
+
+def bands(num_layers: int, spans: list[tuple[int, int]] | None = None, count: int = 4) -> list[SwappedBand]:
+    """The diagnostic's rows: one per [lo, hi) span of `spans`, else `count` contiguous bands of the target's layers
+    (quarters by default). A span past the target's layers is refused in one line."""
+    if spans is None:
+        edges = [round(i * num_layers / count) for i in range(count + 1)]
+        spans = [(lo, hi) for lo, hi in zip(edges, edges[1:]) if hi > lo]
+    for lo, hi in spans:
+        if hi > num_layers:
+            raise MotJaxError(
+                f"The band of layers {lo}-{hi - 1} is past the target's {num_layers} layers (0-{num_layers - 1}); "
+                "pass bands within them."
+            )
+    return [SwappedBand(lo, hi) for lo, hi in spans]
 
 
 def method_name(config) -> str:

@@ -41,6 +41,7 @@ from mot_jax.evals.methods import (
     SwappedBand,
     TextRelay,
     Translated,
+    band_spans,
     bands,
     method_name,
 )
@@ -234,8 +235,7 @@ def evaluate(workdir, config: ml_collections.ConfigDict, compare=(), out=None) -
     check_counts(config)
     if config.chat_template not in CHAT_SETTINGS:
         raise MotJaxError(f"chat_template={config.chat_template!r} is not one of {', '.join(CHAT_SETTINGS)}; pass one.")
-    if config.diagnose not in ("", "bands"):
-        raise MotJaxError(f"diagnose={config.diagnose!r} is not a diagnostic; pass bands, or nothing.")
+    spans = band_spans(config.diagnose) if config.diagnose else None
     out = as_path(out or as_path(workdir) / "eval")
     outputs.check_replaceable(out)  # before minutes of evaluation
     if config.pair:  # the baselines on a named pair, no trained translator
@@ -262,7 +262,7 @@ def evaluate(workdir, config: ml_collections.ConfigDict, compare=(), out=None) -
         if setting == "on" and chat_turns(models.source_tokenizer) is None:
             setting = "off"  # `on` asks for the target's turns; a source without a format reads plain prompts
         baselines.append(SourceAlone(target_chat(setting, names[0], models.source_tokenizer)))
-    methods = baselines + rows + (bands(models.target.config.num_layers) if config.diagnose else [])
+    methods = baselines + rows + (bands(models.target.config.num_layers, spans) if config.diagnose else [])
     for method in methods:
         method.prepare(models)
     settings = Settings(config.batch_size, config.max_new_tokens, chat=chat)
