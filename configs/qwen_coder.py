@@ -39,7 +39,9 @@ Time and result: on a 2-core CPU a `:questions` run takes ~35 minutes (the start
 the tables) and 22.3 GB; the 1.5B answers from its cache at F1 0.344 on 256 extractive examples (no context 0.053,
 its shuffled source 0.157, the 0.5B alone 0.684, native 0.974: docs/results/2026-12-05-qwen-ridge.md). With the start's
 ridge fixed and the rate at 3e-4 it answered below no context (docs/results/2026-12-05-qwen-dial-trained.md). The plain
-recipe (no `:questions`) has not been run with these two changes. A GPU is the intended place for it.
+recipe (no `:questions`) has not been run with these two changes. A GPU is the intended place for it. With
+`--config.translator.native_bottom=14` (~72 minutes, 17.8 GB) the 1.5B answers above the 0.5B alone (F1 0.792 against
+0.684 on 256 extractive examples), at 0.59x of its own prefill on its side: docs/results/2026-12-05-qwen-dial-b14.md.
 """
 
 from mot_jax.errors import MotJaxError
