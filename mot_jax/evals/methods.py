@@ -359,9 +359,9 @@ def swap_band(cache, donor, carried, mask, lo: int, hi: int):
 
 
 def band_spans(diagnose: str) -> list[tuple[int, int]] | None:
-    """The layer bands `--config.diagnose` names, as [lo, hi) spans: None for `bands` (the target's quarters), the
-    listed ones for `bands:A-B,C-D` (layers A to B, counted from 0, as the rows name them); None for no diagnostic is
-    `diagnose=""`'s. Anything else is refused in one line."""
+    """The layer bands a non-empty `--config.diagnose` names, as [lo, hi) spans: None for `bands` (the target's
+    quarters), the listed ones for `bands:A-B,C-D` (layers A to B, counted from 0, as the rows name them). Anything else
+    is refused in one line."""
     kind, colon, listed = diagnose.partition(":")
     spans = [re.fullmatch(r"(\d+)-(\d+)", part.strip()) for part in listed.split(",")] if listed else []
     if kind != "bands" or (colon and not spans) or not all(m and int(m[1]) <= int(m[2]) for m in spans):
