@@ -8,13 +8,15 @@ import tempfile
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 # Cheaper compiles: the tests spend most of their time compiling small programs, and LLVM's -O0 codegen without its
-# expensive passes halves that (the multi-process tests train this way too). XLA's HLO optimizations stay as users get
-# them: the same fused programs, their results equal to rounding (~1e-7). XLA_FLAGS naming either flag keeps its value,
-# e.g. --xla_backend_optimization_level=2 for the default codegen. One-device programs also skip XLA's MLIR fusion
-# emitters (below, after jax is imported).
+# expensive passes halves that (the multi-process tests train this way too), and one LLVM module per program instead
+# of one per core saves more (the two test processes keep the cores busy already; the machine code is the same). XLA's
+# HLO optimizations stay as users get them: the same fused programs, their results equal to rounding (~1e-7).
+# XLA_FLAGS naming one of these flags keeps its value, e.g. --xla_backend_optimization_level=2 for the default
+# codegen. One-device programs also skip XLA's MLIR fusion emitters (below, after jax is imported).
 CHEAP_COMPILE_FLAGS = (
     "--xla_backend_optimization_level=0",
     "--xla_llvm_disable_expensive_passes=true",
+    "--xla_cpu_parallel_codegen_split_count=1",
 )
 for flag in CHEAP_COMPILE_FLAGS:
     if flag.split("=")[0] not in os.environ["XLA_FLAGS"]:
