@@ -33,7 +33,7 @@ POINTS = {  # name: f1, se, n, ttft, with_source, shuffled, free, free_ttft, log
     "KV Prediction, B=0": Point(0.049, 0.006, 256, 0.08, 0.37, 0.048, None, None, "qwen-kvp"),
     "dial B=4": Point(0.241, 0.029, 176, 0.32, 0.70, 0.101, 0.037, 0.31, "qwen-dial-b4"),
     "dial B=7": Point(0.343, 0.019, 512, 0.39, 0.70, 0.143, 0.162, 0.36, "qwen-512"),
-    "dial B=14": Point(0.792, 0.023, 256, 0.59, 0.89, 0.485, None, None, "qwen-dial-b14"),
+    "dial B=14": Point(0.805, 0.016, 512, 0.58, 0.87, 0.485, 0.788, 0.57, "qwen-dial-b14"),
     "dial B=7, recomputing 10%": Point(0.273, 0.029, 160, 0.52, 0.83, None, 0.159, 0.50, "qwen-512"),
 }
 COLORS = ("tab:blue", "tab:orange", "tab:purple", "tab:red", "tab:brown")
