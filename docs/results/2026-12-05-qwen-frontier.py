@@ -24,17 +24,19 @@ class Point(NamedTuple):
     shuffled: float | None  # its shuffled source's F1 (None: not evaluated)
     free: float | None  # its source-free twin's F1 (None: not trained)
     free_ttft: float | None
-    log: str  # docs/results/2026-12-05-{log}.md
+    logs: str  # where the numbers come from: docs/results/{each}.md
 
 
 # the references, from 2026-12-05-qwen-512.md (512 examples): the 1.5B native, the 0.5B answering by itself (the bar)
 NATIVE, ALONE, NO_CONTEXT = (0.970, 0.006, 1.0), (0.723, 0.017, 0.32), 0.047
-POINTS = {  # name: f1, se, n, ttft, with_source, shuffled, free, free_ttft, log
-    "KV Prediction, B=0": Point(0.049, 0.006, 256, 0.08, 0.37, 0.048, None, None, "qwen-kvp"),
-    "dial B=4": Point(0.241, 0.029, 176, 0.32, 0.70, 0.101, 0.037, 0.31, "qwen-dial-b4"),
-    "dial B=7": Point(0.343, 0.019, 512, 0.39, 0.70, 0.143, 0.162, 0.36, "qwen-512"),
-    "dial B=14": Point(0.805, 0.016, 512, 0.58, 0.87, 0.485, 0.788, 0.57, "qwen-dial-b14"),
-    "dial B=7, recomputing 10%": Point(0.273, 0.029, 160, 0.52, 0.83, None, 0.159, 0.50, "qwen-512"),
+POINTS = {
+    "KV Prediction, B=0": Point(0.049, 0.006, 256, 0.08, 0.37, 0.048, None, None, "2026-12-05-qwen-kvp"),
+    "dial B=4": Point(0.241, 0.029, 176, 0.32, 0.70, 0.101, 0.037, 0.31, "2026-12-05-qwen-dial-b4"),
+    "dial B=7": Point(0.343, 0.019, 512, 0.39, 0.70, 0.143, 0.162, 0.36, "2026-12-05-qwen-512"),
+    "dial B=14": Point(
+        0.805, 0.016, 512, 0.58, 0.87, 0.485, 0.788, 0.57, "2026-12-05-qwen-dial-b14, 2026-12-06-qwen-b14-source-free"
+    ),
+    "dial B=7, recomputing 10%": Point(0.273, 0.029, 160, 0.52, 0.83, None, 0.159, 0.50, "2026-12-05-qwen-512"),
 }
 COLORS = ("tab:blue", "tab:orange", "tab:purple", "tab:red", "tab:brown")
 
