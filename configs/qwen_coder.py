@@ -43,7 +43,8 @@ recipe (no `:questions`) has not been run with these two changes. A GPU is the i
 `--config.translator.native_bottom=14` (~72 minutes, 17.8 GB) the 1.5B answers above the 0.5B alone (F1 0.792 against
 0.684 on 256 extractive examples), at 0.59x of its own prefill on its side: docs/results/2026-12-05-qwen-dial-b14.md;
 its source-free twin (`--config.translator.inputs=embeddings,hidden`) answers nearly as well (0.788 against 0.805 on
-512): at B=14 the 0.5B's cache adds little (docs/results/2026-12-06-qwen-b14-source-free.md).
+512): at B=14 the 0.5B's cache adds little (docs/results/2026-12-06-qwen-b14-source-free.md), on code reading too
+(docs/results/2026-12-06-qwen-code-reading.md).
 """
 
 from mot_jax.errors import MotJaxError
