@@ -27,7 +27,8 @@ un-rotated), trained on the 1.5B's prompt CE plus per-layer L1 on K and V, no MS
 `:kvp,tiny` runs it on the tiny random pair. With `:questions` on a 2-core CPU: ~40-50 minutes, 17.8 GB; both of
 issue 41's time goals met (0.08x of the 1.5B's prefill on the target side, 0.37x with the 0.5B's), but its answers
 carry no context (F1 0.049 on 256 extractive examples, level with its shuffled source and with no context:
-docs/results/2026-12-05-qwen-kvp.md).
+docs/results/2026-12-05-qwen-kvp.md), nor beyond its source-free twin's (`--config.translator.inputs=embeddings`:
+0.043; docs/results/2026-12-06-qwen-code-reading.md).
 
 `:questions` (with either) trains on question-shaped rows as well (issue 41's lever, after Cartridges): of each batch a
 quarter retrieval rows, a quarter span rows (a request quoting the passage, the next words as the answer), a quarter

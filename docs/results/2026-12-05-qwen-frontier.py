@@ -22,7 +22,7 @@ class Point(NamedTuple):
     ttft: float  # target side
     with_source: float  # with the 0.5B's prefill
     shuffled: float | None  # its shuffled source's F1 (None: not evaluated)
-    free: float | None  # its source-free twin's F1 (None: not trained)
+    free: float | None  # its source-free twin's F1 (None: not trained, or its TTFT not measured)
     free_ttft: float | None
     logs: str  # where the numbers come from: docs/results/{each}.md
 
