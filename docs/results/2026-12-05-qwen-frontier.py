@@ -22,15 +22,17 @@ class Point(NamedTuple):
     ttft: float  # target side
     with_source: float  # with the 0.5B's prefill
     shuffled: float | None  # its shuffled source's F1 (None: not evaluated)
-    free: float | None  # its source-free twin's F1 (None: not trained, or its TTFT not measured)
-    free_ttft: float | None
+    free: float | None  # its source-free twin's F1 (None: not trained)
+    free_ttft: float | None  # (None: not measured; the twin is then not drawn)
     logs: str  # where the numbers come from: docs/results/{each}.md
 
 
 # the references, from 2026-12-05-qwen-512.md (512 examples): the 1.5B native, the 0.5B answering by itself (the bar)
 NATIVE, ALONE, NO_CONTEXT = (0.970, 0.006, 1.0), (0.723, 0.017, 0.32), 0.047
 POINTS = {
-    "KV Prediction, B=0": Point(0.049, 0.006, 256, 0.08, 0.37, 0.048, None, None, "2026-12-05-qwen-kvp"),
+    "KV Prediction, B=0": Point(
+        0.049, 0.006, 256, 0.08, 0.37, 0.048, 0.043, None, "2026-12-05-qwen-kvp, 2026-12-06-qwen-code-reading"
+    ),
     "dial B=4": Point(0.241, 0.029, 176, 0.32, 0.70, 0.101, 0.037, 0.31, "2026-12-05-qwen-dial-b4"),
     "dial B=7": Point(0.343, 0.019, 512, 0.39, 0.70, 0.143, 0.162, 0.36, "2026-12-05-qwen-512"),
     "dial B=14": Point(
@@ -65,7 +67,7 @@ def plot(out):
         ax.plot([p.with_source], [p.f1], marker="s", mfc="none", color=color)
         if p.shuffled is not None:
             ax.plot([p.ttft], [p.shuffled], "x", color=color)
-        if p.free is not None:
+        if p.free is not None and p.free_ttft is not None:
             ax.plot([p.free_ttft], [p.free], marker="o", mfc="none", ls="", color=color)
     ax.set(
         xscale="log",
