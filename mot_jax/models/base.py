@@ -10,8 +10,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
+from mot_jax import kernels
 from mot_jax.models.cache import KVCache
-from mot_jax.models.layers import GLOBAL_WINDOW, attention_weights, bf16_as_bits, bits_as_bf16, einsum
+from mot_jax.models.layers import GLOBAL_WINDOW, attention, attention_weights, bf16_as_bits, bits_as_bf16, einsum
 
 PREFILL_BLOCK = 512  # query block of a prefill into an empty cache (causal blocks above the diagonal are skipped)
 # Families whose cached keys carry RoPE (decoder.RotaryLM); GPT-2 and OPT add learned position embeddings instead.
@@ -129,7 +130,12 @@ class LayerCache:
         allowed = None
         if self.injection is not None:
             k_layer, v_layer, allowed = self.injected(k_layer, v_layer, length, offset)
-        # Query blocks of a fresh prefill skip the keys after their last query (all causally masked).
+        if allowed is None and not self.topk and kernels.supports(q, k_layer, v_layer, softcap):
+            return attention(
+                q, k_layer, v_layer, self.q_pos, k_pos, k_valid, scale=scale, window=window, softcap=softcap
+            )
+        # XLA's attention (no kernel, sparse keys or top-k indices asked for): query blocks of a fresh prefill skip
+        # the keys after their last query (all causally masked).
         block = PREFILL_BLOCK if self.fresh and length > PREFILL_BLOCK else length
         topk = min(self.topk, block)
         outs, tops = [], []

@@ -15,6 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from mot_jax import kernels
+
 # Keys outside the window / causal mask get this logit: finite, so a query with no visible key (a padding
 # position) gives a uniform softmax instead of NaN.
 MASK_VALUE = -1e30
@@ -230,7 +232,18 @@ def attention_weights(q, k, q_pos, k_pos, k_valid, *, scale, window=GLOBAL_WINDO
 
 
 def attention(q, k, v, q_pos, k_pos, k_valid, *, scale, window=GLOBAL_WINDOW, softcap=None, allowed=None):
-    """`attention_weights` applied to v [B, K, S, d]; returns [B, T, H * d]."""
+    """`attention_weights` applied to v [B, K, S, d]; returns [B, T, H * d]. On CPU it runs as one fused kernel
+    (`mot_jax.kernels`) where it can (no `allowed` mask, a dtype it takes), with the same result."""
+    reference = functools.partial(attention_reference, scale=scale, softcap=softcap, allowed=allowed)
+    if allowed is None and kernels.supports(q, k, v, softcap):
+        return kernels.attention(
+            q, k, v, q_pos, k_pos, k_valid, window, scale=scale, softcap=softcap, reference=reference
+        )
+    return reference(q, k, v, q_pos, k_pos, k_valid, window)
+
+
+def attention_reference(q, k, v, q_pos, k_pos, k_valid, window, *, scale, softcap, allowed):
+    """`attention` through XLA: the softmax weights materialised (also the kernel's gradient)."""
     probs = attention_weights(q, k, q_pos, k_pos, k_valid, scale=scale, window=window, softcap=softcap, allowed=allowed)
     out = einsum("bkgts,bksd->btkgd", probs.astype(v.dtype), v)
     return out.reshape(*q.shape[:2], -1)

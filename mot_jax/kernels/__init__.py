@@ -1,0 +1,130 @@
+"""A fused CPU attention kernel (`attention.cc`, an XLA FFI custom call) and its build.
+
+XLA:CPU has no fused attention: it writes every [T, S] score array out, masks and softmaxes it in separate passes,
+which on long prefills takes about twice attention's share of the FLOPs. The kernel keeps a query block's scores
+in a small buffer and softmaxes them online (flash style), skipping key tiles no query of the block can see.
+
+The kernel is compiled on first use with the machine's C++ compiler (`-march=native`) into the shared cache
+(`$MOT_JAX_CACHE/kernels`, keyed by the source, the compiler, jaxlib and the CPU), under a lock and renamed into
+place. Without a compiler, or with `MOT_JAX_ATTENTION=xla`, attention runs through XLA (`layers.attention`'s
+reference path) after one warning. On other backends the reference path is always the one lowered. Gradients go
+through the reference path (the kernel is forward only).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mot_jax.paths import cache_lock, cache_root
+
+SOURCE = Path(__file__).with_name("attention.cc")
+TARGET = "mot_jax_attention"
+DTYPES = (jnp.float32,)
+
+
+def _cpu_signature() -> str:
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = ""
+    return f"{platform.machine()} {platform.processor()} {flags}"
+
+
+def _build(compiler: str) -> Path:
+    """The compiled library for this source, compiler, jaxlib and CPU, built once into the shared cache."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    flags = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC"]
+    key = "\0".join([SOURCE.read_text(), version, *flags, jax.__version__, _cpu_signature()])
+    key = hashlib.sha256(key.encode()).hexdigest()[:16]
+    library = cache_root() / "kernels" / f"attention-{key}.so"
+    if library.exists():
+        return library
+    with cache_lock(library):
+        if library.exists():
+            return library
+        library.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
+            built = Path(scratch) / library.name
+            command = [compiler, *flags, "-I", jax.ffi.include_dir(), str(SOURCE), "-o", str(built)]
+            subprocess.run(command, capture_output=True, text=True, check=True)
+            os.replace(built, library)
+    return library
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the fused kernel is built and registered (once a process; warns once when it cannot be)."""
+    if os.environ.get("MOT_JAX_ATTENTION", "fused") == "xla":
+        return False
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")
+    try:
+        if compiler is None:
+            raise RuntimeError("no C++ compiler found (set CXX or install g++)")
+        library = ctypes.cdll.LoadLibrary(str(_build(compiler)))
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.MotAttention), platform="cpu")
+    except (OSError, RuntimeError, AttributeError, subprocess.CalledProcessError) as e:
+        detail = getattr(e, "stderr", None) or e
+        warnings.warn(f"mot_jax: the fused CPU attention kernel is unavailable, using XLA's ({detail})", stacklevel=2)
+        return False
+    return True
+
+
+def supports(q, k, v, softcap) -> bool:
+    """Whether `attention` can take these inputs (else the caller uses the reference path)."""
+    dtype = q.dtype
+    return (
+        k.dtype == dtype
+        and v.dtype == dtype
+        and any(dtype == d for d in DTYPES)
+        and k.shape[-1] == v.shape[-1] == q.shape[-1]
+        and (softcap is None or softcap > 0)
+        and available()
+    )
+
+
+def attention(q, k, v, q_pos, k_pos, k_valid, window, *, scale, softcap, reference):
+    """`reference(q, k, v, q_pos, k_pos, k_valid, window)` -> [B, T, H * d], computed by the kernel on CPU.
+
+    q [B, T, H, d]; k, v [B, K, S, d]; q_pos [B, T]; k_pos, k_valid [B, S]; window an int (or int32 scalar).
+    """
+    ints = (q_pos.astype(jnp.int32), k_pos.astype(jnp.int32), k_valid.astype(bool), jnp.asarray(window, jnp.int32))
+    return _fused(q, k, v, *ints, float(scale), 0.0 if softcap is None else float(softcap), reference)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def _fused(q, k, v, q_pos, k_pos, k_valid, window, scale, softcap, reference):
+    def kernel(*args):
+        out = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, v.dtype), vmap_method="sequential")(
+            *args, scale=np.float32(scale), softcap=np.float32(softcap)
+        )
+        return out.reshape(*q.shape[:2], -1)
+
+    args = (q, k, v, q_pos, k_pos, k_valid, window)
+    return jax.lax.platform_dependent(*args, cpu=kernel, default=reference)
+
+
+def _fused_fwd(q, k, v, q_pos, k_pos, k_valid, window, scale, softcap, reference):
+    out = _fused(q, k, v, q_pos, k_pos, k_valid, window, scale, softcap, reference)
+    return out, (q, k, v, q_pos, k_pos, k_valid, window)
+
+
+def _fused_bwd(scale, softcap, reference, residuals, grad):
+    q, k, v, *rest = residuals
+    _, pull = jax.vjp(lambda q, k, v: reference(q, k, v, *rest), q, k, v)
+    return (*pull(grad), None, None, None, None)
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)

@@ -1,0 +1,410 @@
+// Fused causal-by-position attention for XLA:CPU, flash style: the scores of a block of queries against a tile of
+// keys live in a small buffer and are softmaxed online, never written out as a [T, S] array (what XLA:CPU does).
+//
+// Semantics are those of `mot_jax.models.layers.attention` (allowed=None): q [B, T, H, d]; k, v [B, K, S, d];
+// q_pos [B, T], k_pos [B, S] int32; k_valid [B, S] bool; window int32 scalar. A key is visible to a query when it is
+// valid, not after it (q_pos - k_pos >= 0) and less than `window` positions behind it; logits are
+// (q . k) * scale, optionally soft-capped (softcap > 0: tanh(x / softcap) * softcap); a query with no visible key
+// attends uniformly to all S keys. Output [B, T, H, d] in v's dtype. float32 or bfloat16 inputs; bfloat16 is
+// widened to float32 tile by tile and every sum is float32.
+//
+// Work items are (batch row, KV head, query block); the G query heads sharing a KV head are stacked as rows of one
+// block, so each key tile is loaded once for all of them. Key tiles wholly hidden from a query block (after its
+// last query, out of its window, or all invalid) are skipped, which is the causal skip of a fresh prefill and the
+// empty slots of a cache. Items run on XLA's intra-op thread pool.
+
+#include <algorithm>
+#include <atomic>
+#include <climits>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <type_traits>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kLanes = 16;
+constexpr int kKeys = 64;  // keys per tile: 4 vectors
+typedef float vf __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(64)));
+
+inline vf load(const float* p) {
+  vf x;
+  std::memcpy(&x, p, sizeof(x));
+  return x;
+}
+inline void store(float* p, vf x) { std::memcpy(p, &x, sizeof(x)); }
+inline vi loadi(const int32_t* p) {
+  vi x;
+  std::memcpy(&x, p, sizeof(x));
+  return x;
+}
+inline vf splat(float s) { return __builtin_shuffle(vf{s}, vi{}); }
+
+// exp for x <= 0 (Cephes' polynomial on a range-reduced argument); exactly 0 below -87.
+inline vf vexp(vf x) {
+  const vf lo = splat(-87.0f);
+  vf xc = x < lo ? lo : x;
+  vi n = __builtin_convertvector(xc * 1.44269504088896341f - 0.5f, vi);  // round(x / ln 2) for x <= 0
+  vf nf = __builtin_convertvector(n, vf);
+  vf r = xc - nf * 0.693359375f + nf * 2.12194440e-4f;
+  vf p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  vi bits = (n + 127) << 23;
+  vf scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  vf y = p * scale;
+  return x < lo ? vf{} : y;
+}
+
+inline float widen(float x) { return x; }
+inline float widen(uint16_t x) {
+  uint32_t bits = uint32_t(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+inline void narrow(float x, float* out) { *out = x; }
+inline void narrow(float x, uint16_t* out) {  // round to nearest even
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  if ((bits & 0x7fffffff) > 0x7f800000) {
+    *out = uint16_t((bits >> 16) | 0x40);  // quiet NaN
+    return;
+  }
+  *out = uint16_t((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+}
+
+// The block's rows (query head x query) run along vectors: queries are stored transposed, qt[d][rows], and so are
+// the scores st[keys][rows] and the output ot[d][rows]. K and V are read in their own [keys][d] layout.
+
+// acc[4][NV] over 4 consecutive a-rows and NV vectors of b-columns: acc[i] += sum_x a[i][x] * b[x][:]
+// (a: 4 rows `a_stride` apart, read along x; b: rows `b_stride` apart; x runs over `inner`)
+template <int NV>
+inline void gemm_4xNV(const float* a, int a_stride, int a_step, const float* b, int b_stride, int inner,
+                      float* c, int c_stride, bool accumulate) {
+  vf acc[4][NV];
+  for (int i = 0; i < 4; ++i)
+    for (int j = 0; j < NV; ++j) acc[i][j] = accumulate ? load(c + i * c_stride + j * kLanes) : vf{};
+  const float *a0 = a, *a1 = a + a_stride, *a2 = a + 2 * a_stride, *a3 = a + 3 * a_stride;
+  for (int x = 0; x < inner; ++x) {
+    vf bv[NV];
+    for (int j = 0; j < NV; ++j) bv[j] = load(b + x * b_stride + j * kLanes);
+    const int ax = x * a_step;
+    vf x0 = splat(a0[ax]), x1 = splat(a1[ax]), x2 = splat(a2[ax]), x3 = splat(a3[ax]);
+    for (int j = 0; j < NV; ++j) {
+      acc[0][j] += x0 * bv[j];
+      acc[1][j] += x1 * bv[j];
+      acc[2][j] += x2 * bv[j];
+      acc[3][j] += x3 * bv[j];
+    }
+  }
+  for (int i = 0; i < 4; ++i)
+    for (int j = 0; j < NV; ++j) store(c + i * c_stride + j * kLanes, acc[i][j]);
+}
+
+// c[4 i][cols] (+)= sum_x a[i][x] b[x][cols] for every 4-row group of `rows4` and the `cols` (a multiple of 16),
+// a 64-column panel of b at a time so that the panel stays in L1 across the row groups
+inline void gemm(const float* a, int a_stride, int a_step, int rows4, const float* b, int b_stride, int inner,
+                 float* c, int c_stride, int cols, bool accumulate) {
+  for (int j = 0; j < cols; j += 4 * kLanes) {
+    const int nv = std::min(4, (cols - j) / kLanes);
+    for (int i = 0; i < rows4; i += 4) {
+      const float* ai = a + i * a_stride;
+      float* ci = c + i * c_stride + j;
+      switch (nv) {
+        case 4: gemm_4xNV<4>(ai, a_stride, a_step, b + j, b_stride, inner, ci, c_stride, accumulate); break;
+        case 3: gemm_4xNV<3>(ai, a_stride, a_step, b + j, b_stride, inner, ci, c_stride, accumulate); break;
+        case 2: gemm_4xNV<2>(ai, a_stride, a_step, b + j, b_stride, inner, ci, c_stride, accumulate); break;
+        case 1: gemm_4xNV<1>(ai, a_stride, a_step, b + j, b_stride, inner, ci, c_stride, accumulate); break;
+      }
+    }
+  }
+}
+
+struct Shape {
+  int64_t batch, queries, heads, kv_heads, keys, dim;
+  int group() const { return int(heads / kv_heads); }
+};
+
+struct Scratch {
+  std::vector<float> qt, ot, st, k, v, m, l, best, shift, correction;
+  std::vector<int32_t> qpos, from, kpos;
+};
+
+template <typename T>
+struct Problem {
+  Shape shape;
+  const T *q, *k, *v;
+  const int32_t *q_pos, *k_pos;
+  const bool* k_valid;
+  int32_t window;
+  float scale, softcap;
+  T* out;
+  int block;           // queries per work item
+  int blocks;          // query blocks per (batch row, KV head)
+  int tiles;           // key tiles
+  std::vector<int32_t> tile_min, tile_max;  // [B, tiles]: the valid keys' position range (min > max: none valid)
+  std::vector<char> tile_full;              // [B, tiles]: every key of the tile is valid
+
+  void run(int64_t item, Scratch& w) const;
+};
+
+template <typename T>
+void Problem<T>::run(int64_t item, Scratch& w) const {
+  const Shape& sh = shape;
+  const int g = sh.group(), d = int(sh.dim), d4 = (d + 3) / 4 * 4;
+  const int64_t b = item / (sh.kv_heads * blocks), h = item / blocks % sh.kv_heads, qb = item % blocks;
+  const int64_t t0 = qb * block, nt = std::min<int64_t>(block, sh.queries - t0);
+  const int rows = int(g * nt), cols = (rows + kLanes - 1) / kLanes * kLanes;  // rows of the block, padded
+  w.qt.assign(size_t(d4) * cols, 0.f);
+  w.ot.assign(size_t(d4) * cols, 0.f);
+  w.st.resize(size_t(kKeys) * cols);
+  w.k.assign(size_t(kKeys) * d4, 0.f);
+  w.v.assign(size_t(kKeys) * d4, 0.f);
+  w.m.assign(cols, -INFINITY);
+  w.l.assign(cols, 0.f);
+  w.qpos.assign(cols, INT_MIN);  // padding rows see no key
+  w.from.assign(cols, INT_MAX);
+  w.best.resize(cols);
+  w.shift.resize(cols);
+  w.correction.resize(cols);
+  w.kpos.resize(kKeys);
+  // row j * nt + t: query head h * g + j, query t0 + t
+  int32_t qmin = INT_MAX, qmax = INT_MIN;
+  for (int64_t t = 0; t < nt; ++t) {
+    const int32_t p = q_pos[b * sh.queries + t0 + t];
+    qmin = std::min(qmin, p);
+    qmax = std::max(qmax, p);
+    for (int j = 0; j < g; ++j) {
+      const int64_t r = j * nt + t;
+      const T* src = q + ((b * sh.queries + t0 + t) * sh.heads + h * g + j) * d;
+      for (int e = 0; e < d; ++e) w.qt[e * cols + r] = widen(src[e]) * scale;
+      w.qpos[r] = p;
+      w.from[r] = int32_t(std::max<int64_t>(int64_t(p) - window, INT_MIN));  // visible: from < key position <= p
+    }
+  }
+  const T* kh = k + (b * sh.kv_heads + h) * sh.keys * d;
+  const T* vh = v + (b * sh.kv_heads + h) * sh.keys * d;
+  const int32_t* kp = k_pos + b * sh.keys;
+  const bool* kv = k_valid + b * sh.keys;
+  const int64_t lower = int64_t(qmin) - window;  // a key at or below this is out of every query's window
+  for (int tile = 0; tile < tiles; ++tile) {
+    const int32_t kmin = tile_min[b * tiles + tile], kmax = tile_max[b * tiles + tile];
+    if (kmin > kmax || kmin > qmax || int64_t(kmax) <= lower) continue;
+    const int64_t s0 = int64_t(tile) * kKeys;
+    const int n = int(std::min<int64_t>(kKeys, sh.keys - s0)), n4 = (n + 3) / 4 * 4;
+    for (int c = 0; c < kKeys; ++c) w.kpos[c] = c < n && kv[s0 + c] ? kp[s0 + c] : INT_MAX;
+    // this tile's keys and values as float32 [n4][d] (read in place when they already are, whole and aligned)
+    const float *kt, *vt;
+    int kd;
+    if (std::is_same_v<T, float> && n == n4 && d == d4) {
+      kt = reinterpret_cast<const float*>(kh + s0 * d);
+      vt = reinterpret_cast<const float*>(vh + s0 * d);
+      kd = d;
+    } else {
+      for (int c = 0; c < n; ++c)
+        for (int e = 0; e < d; ++e) {
+          w.k[c * d4 + e] = widen(kh[(s0 + c) * d + e]);
+          w.v[c * d4 + e] = widen(vh[(s0 + c) * d + e]);
+        }
+      for (int c = n; c < n4; ++c)
+        for (int e = 0; e < d4; ++e) w.k[c * d4 + e] = w.v[c * d4 + e] = 0.f;
+      kt = w.k.data(), vt = w.v.data(), kd = d4;
+    }
+    // st[key][row] = k[key] . q[row]
+    gemm(kt, kd, 1, n4, w.qt.data(), cols, d, w.st.data(), cols, cols, false);
+    // online softmax along each row (column of st), a key row of st at a time
+    const bool all_visible = tile_full[b * tiles + tile] && kmax <= qmin && int64_t(kmin) > int64_t(qmax) - window;
+    float* best = w.best.data();
+    for (int r = 0; r < cols; r += kLanes) store(best + r, splat(-INFINITY));
+    for (int c = 0; c < n; ++c) {
+      float* sc = w.st.data() + size_t(c) * cols;
+      const int32_t kpc = w.kpos[c];
+      for (int r = 0; r < cols; r += kLanes) {
+        vf x = load(sc + r);
+        if (softcap > 0)
+          for (int i = 0; i < kLanes; ++i) x[i] = std::tanh(x[i] / softcap) * softcap;
+        if (!all_visible) {
+          x = (kpc <= loadi(w.qpos.data() + r)) & (kpc > loadi(w.from.data() + r)) ? x : splat(-INFINITY);
+          store(sc + r, x);
+        } else if (softcap > 0) {
+          store(sc + r, x);
+        }
+        const vf m = load(best + r);
+        store(best + r, m > x ? m : x);
+      }
+    }
+    float* shift = w.shift.data();
+    float* correction = w.correction.data();
+    for (int r = 0; r < cols; r += kLanes) {
+      const vf m_old = load(w.m.data() + r), tile_max = load(best + r);
+      const vf m_new = m_old > tile_max ? m_old : tile_max;
+      const vf m_safe = m_new == splat(-INFINITY) ? vf{} : m_new;  // rows with nothing visible yet
+      store(shift + r, m_safe);
+      store(correction + r, vexp(m_old - m_safe));  // 0 where m_old = -inf
+      store(w.m.data() + r, m_new);
+      store(best + r, vf{});  // now the rows' sums over this tile
+    }
+    for (int c = 0; c < n; ++c) {
+      float* sc = w.st.data() + size_t(c) * cols;
+      for (int r = 0; r < cols; r += kLanes) {
+        const vf e = vexp(load(sc + r) - load(shift + r));
+        store(best + r, load(best + r) + e);
+        store(sc + r, e);
+      }
+    }
+    for (int c = n; c < n4; ++c) std::memset(w.st.data() + size_t(c) * cols, 0, sizeof(float) * cols);
+    for (int r = 0; r < cols; r += kLanes)
+      store(w.l.data() + r, load(w.l.data() + r) * load(correction + r) + load(best + r));
+    for (int e = 0; e < d; ++e) {
+      float* o = w.ot.data() + size_t(e) * cols;
+      for (int r = 0; r < cols; r += kLanes) store(o + r, load(o + r) * load(correction + r));
+    }
+    // ot[e][row] += sum_key v[key][e] p[key][row]
+    gemm(vt, 1, kd, d4, w.st.data(), cols, n4, w.ot.data(), cols, cols, true);
+  }
+  std::vector<float> mean;  // the uniform fallback of a row with no visible key: the mean of all S values
+  for (int j = 0; j < g; ++j) {
+    for (int64_t t = 0; t < nt; ++t) {
+      const int64_t r = j * nt + t;
+      T* dst = out + ((b * sh.queries + t0 + t) * sh.heads + h * g + j) * d;
+      if (w.m[r] != -INFINITY) {
+        const float inv = 1.f / w.l[r];
+        for (int e = 0; e < d; ++e) narrow(w.ot[e * cols + r] * inv, dst + e);
+        continue;
+      }
+      if (mean.empty()) {
+        mean.assign(d, 0.f);
+        for (int64_t s = 0; s < sh.keys; ++s)
+          for (int e = 0; e < d; ++e) mean[e] += widen(vh[s * d + e]);
+        for (int e = 0; e < d; ++e) mean[e] /= float(sh.keys);
+      }
+      for (int e = 0; e < d; ++e) narrow(mean[e], dst + e);
+    }
+  }
+}
+
+// Runs items [0, n) on the caller and on the pool; returns when all are done. Late pool tasks find no item left
+// and only touch the shared counter, which they co-own.
+template <typename F>
+void parallel_for(ffi::ThreadPool& pool, int64_t n, F body) {
+  struct State {
+    std::atomic<int64_t> next{0};
+    int64_t done = 0;
+    std::mutex mu;
+    std::condition_variable cv;
+  };
+  auto state = std::make_shared<State>();
+  auto* fn = &body;
+  auto work = [state, n, fn]() {
+    int64_t mine = 0;
+    Scratch scratch;
+    for (int64_t i; (i = state->next.fetch_add(1)) < n; ++mine) (*fn)(i, scratch);
+    if (mine) {
+      std::lock_guard<std::mutex> lock(state->mu);
+      state->done += mine;
+      if (state->done == n) state->cv.notify_all();
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule(decltype(work)(work));
+  work();
+  std::unique_lock<std::mutex> lock(state->mu);
+  state->cv.wait(lock, [&] { return state->done == n; });
+}
+
+template <typename T>
+ffi::Error run(ffi::ThreadPool& pool, Problem<T>& pr) {
+  const Shape& sh = pr.shape;
+  const int g = sh.group();
+  // ~256 rows (query heads x queries) per item, fewer queries per item when there are few
+  int block = std::max(8, 256 / g);
+  block = int(std::min<int64_t>(block, std::max<int64_t>(1, sh.queries)));
+  pr.block = block;
+  pr.blocks = int((sh.queries + block - 1) / block);
+  pr.tiles = int((sh.keys + kKeys - 1) / kKeys);
+  pr.tile_min.assign(sh.batch * pr.tiles, INT_MAX);
+  pr.tile_max.assign(sh.batch * pr.tiles, INT_MIN);
+  pr.tile_full.assign(sh.batch * pr.tiles, 1);
+  for (int64_t b = 0; b < sh.batch; ++b)
+    for (int64_t s = 0; s < sh.keys; ++s) {
+      const int64_t at = b * pr.tiles + s / kKeys;
+      if (!pr.k_valid[b * sh.keys + s]) {
+        pr.tile_full[at] = 0;
+        continue;
+      }
+      const int32_t p = pr.k_pos[b * sh.keys + s];
+      pr.tile_min[at] = std::min(pr.tile_min[at], p);
+      pr.tile_max[at] = std::max(pr.tile_max[at], p);
+    }
+  const int64_t per_head = pr.blocks, items = sh.batch * sh.kv_heads * per_head;
+  // later query blocks see more keys: start them first so the last items to finish are short
+  auto body = [&pr, per_head](int64_t i, Scratch& w) {
+    const int64_t rest = i % per_head;
+    pr.run(i - rest + (per_head - 1 - rest), w);
+  };
+  if (items) parallel_for(pool, items, body);
+  return ffi::Error::Success();
+}
+
+ffi::Error Attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                     ffi::Buffer<ffi::S32> q_pos, ffi::Buffer<ffi::S32> k_pos, ffi::Buffer<ffi::PRED> k_valid,
+                     ffi::Buffer<ffi::S32> window, ffi::Result<ffi::AnyBuffer> out, float scale, float softcap) {
+  auto qd = q.dimensions(), kd = k.dimensions();
+  if (qd.size() != 4 || kd.size() != 4) return ffi::Error::InvalidArgument("q and k must be rank 4");
+  Shape sh{qd[0], qd[1], qd[2], kd[1], kd[2], qd[3]};
+  if (sh.kv_heads == 0 || sh.heads % sh.kv_heads || kd[3] != sh.dim || kd[0] != sh.batch)
+    return ffi::Error::InvalidArgument("q [B, T, H, d] and k [B, K, S, d] do not match");
+  const auto type = q.element_type();
+  if (k.element_type() != type || v.element_type() != type || out->element_type() != type)
+    return ffi::Error::InvalidArgument("q, k, v and the output must share one dtype");
+  auto fill = [&](auto* typed) {
+    using T = std::remove_pointer_t<decltype(typed)>;
+    Problem<T> pr;
+    pr.shape = sh;
+    pr.q = static_cast<const T*>(q.untyped_data());
+    pr.k = static_cast<const T*>(k.untyped_data());
+    pr.v = static_cast<const T*>(v.untyped_data());
+    pr.q_pos = q_pos.typed_data();
+    pr.k_pos = k_pos.typed_data();
+    pr.k_valid = k_valid.typed_data();
+    pr.window = window.typed_data()[0];
+    pr.scale = scale;
+    pr.softcap = softcap;
+    pr.out = static_cast<T*>(out->untyped_data());
+    return run(pool, pr);
+  };
+  if (type == ffi::DataType::F32) return fill(static_cast<float*>(nullptr));
+  if (type == ffi::DataType::BF16) return fill(static_cast<uint16_t*>(nullptr));
+  return ffi::Error::InvalidArgument("only float32 and bfloat16 are supported");
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MotAttention, Attention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<float>("scale")
+                                  .Attr<float>("softcap"));

@@ -1,0 +1,117 @@
+"""The fused CPU attention kernel against XLA's attention (the reference path) and its build."""
+
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mot_jax import kernels
+from mot_jax.jit import jit
+from mot_jax.models import layers, tiny
+from mot_jax.models.layers import GLOBAL_WINDOW
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler to build the kernel")
+
+
+def inputs(rng, b, t, h, kv, s, d, *, offset, pad=0, dtype=jnp.float32):
+    q = jnp.asarray(rng.normal(size=(b, t, h, d)), dtype)
+    k, v = (jnp.asarray(rng.normal(size=(b, kv, s, d)), dtype) for _ in range(2))
+    q_pos = jnp.tile(jnp.arange(offset, offset + t), (b, 1))
+    k_pos = jnp.tile(jnp.arange(s), (b, 1))
+    k_valid = (k_pos < offset + t) & (k_pos >= jnp.arange(b)[:, None] * pad)  # row i: i * pad padding slots
+    return q, k, v, q_pos, k_pos, k_valid
+
+
+def reference(q, k, v, q_pos, k_pos, k_valid, *, scale, window=GLOBAL_WINDOW, softcap=None):
+    return layers.attention_reference(
+        q, k, v, q_pos, k_pos, k_valid, window, scale=scale, softcap=softcap, allowed=None
+    )
+
+
+CASES = {
+    # name: (b, t, h, kv, s, d, offset, pad, window, softcap)
+    "prefill, 3 query heads a KV head, several query blocks and key tiles": (1, 300, 9, 3, 300, 64, 0, 0, None, None),
+    "continuation over a cache with empty slots, left padding": (2, 37, 4, 2, 200, 24, 90, 20, None, None),
+    "sliding window smaller than a key tile": (2, 130, 4, 1, 130, 16, 0, 3, 17, None),
+    "soft-capped logits, one head a KV head": (1, 70, 2, 2, 70, 8, 0, 0, None, 5.0),
+    "one decoding query over a long cache": (3, 1, 8, 2, 300, 32, 150, 7, None, None),
+    "wide heads (Gemma-3's 256)": (1, 65, 4, 1, 65, 256, 0, 0, None, None),
+}
+
+
+@pytest.mark.parametrize("case", CASES, ids=list(CASES))
+def test_kernel_matches_xla_attention(case):
+    b, t, h, kv, s, d, offset, pad, window, softcap = CASES[case]
+    args = inputs(np.random.default_rng(0), b, t, h, kv, s, d, offset=offset, pad=pad)
+    options = dict(scale=d**-0.5, window=window or GLOBAL_WINDOW, softcap=softcap)
+    assert kernels.supports(*args[:3], softcap)
+    got = jax.jit(lambda *a: layers.attention(*a, **options))(*args)
+    assert "mot_jax_attention" in jax.jit(lambda *a: layers.attention(*a, **options)).lower(*args).as_text()
+    np.testing.assert_allclose(np.asarray(got), np.asarray(reference(*args, **options)), atol=2e-6, rtol=1e-5)
+
+
+def test_query_that_sees_no_key_attends_uniformly_as_in_xla():
+    q, k, v, q_pos, k_pos, k_valid = inputs(np.random.default_rng(1), 2, 20, 4, 2, 150, 16, offset=0)
+    q_pos = q_pos.at[1, :5].set(-1)  # before every key: nothing visible
+    got = layers.attention(q, k, v, q_pos, k_pos, k_valid, scale=0.25)
+    want = reference(q, k, v, q_pos, k_pos, k_valid, scale=0.25)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6)
+    uniform = np.repeat(np.asarray(v[1]).mean(1), 2, axis=0).reshape(-1)  # 2 query heads a KV head
+    np.testing.assert_allclose(np.asarray(got[1, 0]), uniform, atol=2e-6)
+
+
+def test_gradients_are_xlas():
+    args = inputs(np.random.default_rng(2), 2, 40, 4, 2, 100, 16, offset=50, pad=5)
+    cotangent = jnp.asarray(np.random.default_rng(3).normal(size=(2, 40, 64)), jnp.float32)
+
+    def loss(attend, q, k, v):
+        return jnp.sum(attend(q, k, v, *args[3:], scale=0.25, window=30) * cotangent)
+
+    got = jax.grad(lambda *a: loss(layers.attention, *a), argnums=(0, 1, 2))(*args[:3])
+    want = jax.grad(lambda *a: loss(reference, *a), argnums=(0, 1, 2))(*args[:3])
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_model_prefill_and_continuation_equal_xlas(family, monkeypatch):
+    """A left-padded prefill of 150 tokens (three query blocks, Gemma-3's sliding windows) and 20 more tokens
+    over its cache, with the kernel and with XLA's attention."""
+    model, config, _ = tiny.load(f"random:{family}")
+    rng = np.random.default_rng(4)
+    ids, more = (jnp.asarray(rng.integers(3, config["vocab_size"], size=(2, n))) for n in (150, 20))
+    mask = jnp.ones_like(ids).at[1, :6].set(0)
+
+    def run():  # new functions each time: traced afresh
+        prefill = jit(lambda m, i, a: m(i, attention_mask=a))
+        logits, cache = prefill(model, ids, mask)
+        more_logits = jit(lambda m, i, c: m(i, cache=c)[0])(model, more, cache.with_capacity(200))
+        return logits, more_logits, "mot_jax_attention" in prefill.lower(model, ids, mask).as_text()
+
+    *fused, fused_lowered = run()
+    monkeypatch.setattr(kernels, "available", lambda: False)
+    *xla, xla_lowered = run()
+    assert fused_lowered and not xla_lowered
+    for a, b in zip(fused, xla):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=5e-5, rtol=1e-4)
+
+
+def test_build_is_cached_and_a_missing_compiler_falls_back_with_a_warning(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOT_JAX_CACHE", str(tmp_path))
+    compiler = shutil.which("g++")
+    first = kernels._build(compiler)
+    assert kernels._build(compiler) == first and [p.name for p in first.parent.glob("*.so")] == [first.name]
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    kernels.available.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="fused CPU attention kernel is unavailable"):
+            assert not kernels.available()
+        q, k, v, *rest = inputs(np.random.default_rng(5), 1, 10, 2, 1, 10, 8, offset=0)
+        assert not kernels.supports(q, k, v, None)
+        np.testing.assert_allclose(
+            np.asarray(layers.attention(q, k, v, *rest, scale=0.3)), np.asarray(reference(q, k, v, *rest, scale=0.3))
+        )
+    finally:
+        kernels.available.cache_clear()
