@@ -31,7 +31,7 @@ def reference(q, k, v, q_pos, k_pos, k_valid, *, scale, window=GLOBAL_WINDOW, so
 
 
 CASES = {
-    # name: (b, t, h, kv, s, d, offset, pad, window, softcap)
+    # name: (b, t, h, kv, s, d, offset, pad, window, softcap, dtype)
     "prefill, 3 query heads a KV head, several query blocks and key tiles": (1, 300, 9, 3, 300, 64, 0, 0, None, None),
     "continuation over a cache with empty slots, left padding": (2, 37, 4, 2, 200, 24, 90, 20, None, None),
     "sliding window smaller than a key tile": (2, 130, 4, 1, 130, 16, 0, 3, 17, None),
@@ -39,17 +39,32 @@ CASES = {
     "one decoding query over a long cache": (3, 1, 8, 2, 300, 32, 150, 7, None, None),
     "wide heads (Gemma-3's 256)": (1, 65, 4, 1, 65, 256, 0, 0, None, None),
 }
+BF16_CASES = {  # head widths that are multiples of 32 take the AMX tiles where the CPU has them
+    "bf16 prefill, heads of 64": (1, 300, 9, 3, 300, 64, 0, 0, None, None),
+    "bf16 continuation over a padded cache, heads of 128": (2, 37, 4, 2, 200, 128, 90, 20, None, None),
+    "bf16 sliding window, heads of 256": (2, 100, 4, 1, 100, 256, 0, 3, 40, None),
+    "bf16 decoding query, heads of 64": (3, 1, 8, 2, 300, 64, 150, 7, None, None),
+    "bf16 heads of 24 (vector path)": (1, 50, 4, 2, 50, 24, 0, 0, None, 5.0),
+}
 
 
-@pytest.mark.parametrize("case", CASES, ids=list(CASES))
-def test_kernel_matches_xla_attention(case):
-    b, t, h, kv, s, d, offset, pad, window, softcap = CASES[case]
-    args = inputs(np.random.default_rng(0), b, t, h, kv, s, d, offset=offset, pad=pad)
+@pytest.mark.parametrize(
+    "case, dtype",
+    [(c, jnp.float32) for c in CASES] + [(c, jnp.bfloat16) for c in BF16_CASES],
+    ids=list(CASES) + list(BF16_CASES),
+)
+def test_kernel_matches_xla_attention(case, dtype):
+    b, t, h, kv, s, d, offset, pad, window, softcap = {**CASES, **BF16_CASES}[case]
+    args = inputs(np.random.default_rng(0), b, t, h, kv, s, d, offset=offset, pad=pad, dtype=dtype)
     options = dict(scale=d**-0.5, window=window or GLOBAL_WINDOW, softcap=softcap)
     assert kernels.supports(*args[:3], softcap)
-    got = jax.jit(lambda *a: layers.attention(*a, **options))(*args)
-    assert "mot_jax_attention" in jax.jit(lambda *a: layers.attention(*a, **options)).lower(*args).as_text()
-    np.testing.assert_allclose(np.asarray(got), np.asarray(reference(*args, **options)), atol=2e-6, rtol=1e-5)
+    fused = jax.jit(lambda *a: layers.attention(*a, **options))
+    assert "mot_jax_attention" in fused.lower(*args).as_text()
+    got, want = (np.asarray(x, np.float32) for x in (fused(*args), reference(*args, **options)))
+    if dtype == jnp.float32:
+        np.testing.assert_allclose(got, want, atol=2e-6, rtol=1e-5)
+    else:  # XLA rounds the probabilities to bf16 before their product with v, the kernel too (AMX) or not
+        np.testing.assert_allclose(got, want, atol=2**-6, rtol=2**-7)
 
 
 def test_query_that_sees_no_key_attends_uniformly_as_in_xla():
@@ -62,15 +77,15 @@ def test_query_that_sees_no_key_attends_uniformly_as_in_xla():
     np.testing.assert_allclose(np.asarray(got[1, 0]), uniform, atol=2e-6)
 
 
-def test_gradients_are_xlas():
+def test_gradients_are_xlas_and_scale_may_be_traced():
     args = inputs(np.random.default_rng(2), 2, 40, 4, 2, 100, 16, offset=50, pad=5)
     cotangent = jnp.asarray(np.random.default_rng(3).normal(size=(2, 40, 64)), jnp.float32)
 
-    def loss(attend, q, k, v):
-        return jnp.sum(attend(q, k, v, *args[3:], scale=0.25, window=30) * cotangent)
+    def loss(attend, q, k, v, scale):
+        return jnp.sum(attend(q, k, v, *args[3:], scale=scale, window=30) * cotangent)
 
-    got = jax.grad(lambda *a: loss(layers.attention, *a), argnums=(0, 1, 2))(*args[:3])
-    want = jax.grad(lambda *a: loss(reference, *a), argnums=(0, 1, 2))(*args[:3])
+    got = jax.jit(jax.grad(lambda *a: loss(layers.attention, *a), argnums=(0, 1, 2, 3)))(*args[:3], 0.25)
+    want = jax.grad(lambda *a: loss(reference, *a), argnums=(0, 1, 2, 3))(*args[:3], 0.25)
     for g, w in zip(got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-5, rtol=1e-4)
 

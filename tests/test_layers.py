@@ -11,6 +11,7 @@ from flax import nnx
 from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from mot_jax import kernels
 from mot_jax.models import base, generation, tiny
 from mot_jax.models.layers import attention, param, rope_inv_freq
 from mot_jax.models.registry import FAMILIES, build_model
@@ -101,19 +102,25 @@ def dots_of(hlo: str):
 
 @pytest.mark.parametrize("family", ["gpt2", "opt", "qwen2", "gemma3"])
 def test_bfloat16_prefill_compiles_every_dot_on_bf16_operands_into_f32(family, monkeypatch):
-    """The compiled bf16 prefill (blocked attention included) has no dot whose operands were converted to f32 first
-    (XLA:CPU's slow bf16 path) nor a bf16 -> bf16 dot: each takes bf16 and accumulates in f32 (layers.einsum). And it
-    runs, with decoding after it (XLA:CPU has no fallback for a bf16 x bf16 -> f32 dot its fast kernel refuses)."""
+    """The compiled bf16 prefill (XLA's blocked attention included: the fused kernel off) has no dot whose operands
+    were converted to f32 first (XLA:CPU's slow bf16 path) nor a bf16 -> bf16 dot: each takes bf16 and accumulates in
+    f32 (layers.einsum). And it runs, with decoding after it (XLA:CPU has no fallback for a bf16 x bf16 -> f32 dot its
+    fast kernel refuses)."""
     config = tiny.hf_config(f"random:{family}")
     model = build_model(FAMILIES[config["model_type"]][0].config_from_hf(config), jnp.bfloat16)
     monkeypatch.setattr(base, "PREFILL_BLOCK", 8)  # 16 tokens: two causal query blocks
+    monkeypatch.setattr(kernels, "available", lambda: False)
+    jax.clear_caches()
     ids = jnp.ones((2, 16), jnp.int32)
-    dots = dots_of(generation.prefill.lower(model, ids).compile().as_text())
+    hlo = generation.prefill.lower(model, ids).compile().as_text()
+    assert "mot_jax_attention" not in hlo
+    dots = dots_of(hlo)
     # per layer q, k, v (or GPT-2's one packed projection), out, 2 or 3 MLP, 2 blocks x (scores, values); the head
     assert len(dots) >= 9, dots
     assert set(dots) == {("f32", "bf16", "bf16")}, dots
     tokens = generation.generate(model, ids, max_new_tokens=3)
     assert tokens.shape == (2, 3) and bool((tokens >= 0).all())
+    jax.clear_caches()  # later tests trace with the kernel again
 
 
 def f32_copies(hlo: str, shapes) -> list[str]:

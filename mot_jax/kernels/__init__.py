@@ -32,7 +32,7 @@ from mot_jax.paths import cache_lock, cache_root
 
 SOURCE = Path(__file__).with_name("attention.cc")
 TARGET = "mot_jax_attention"
-DTYPES = (jnp.float32,)
+DTYPES = (jnp.float32, jnp.bfloat16)
 
 
 def _cpu_signature() -> str:
@@ -95,36 +95,39 @@ def supports(q, k, v, softcap) -> bool:
     )
 
 
-def attention(q, k, v, q_pos, k_pos, k_valid, window, *, scale, softcap, reference):
-    """`reference(q, k, v, q_pos, k_pos, k_valid, window)` -> [B, T, H * d], computed by the kernel on CPU.
+def attention(q, k, v, q_pos, k_pos, k_valid, window, scale, *, softcap, reference):
+    """`reference(q, k, v, q_pos, k_pos, k_valid, window, scale)` -> [B, T, H * d], computed by the kernel on CPU.
 
-    q [B, T, H, d]; k, v [B, K, S, d]; q_pos [B, T]; k_pos, k_valid [B, S]; window an int (or int32 scalar).
+    q [B, T, H, d]; k, v [B, K, S, d]; q_pos [B, T]; k_pos, k_valid [B, S]; window and scale scalars (traced or not).
     """
     ints = (q_pos.astype(jnp.int32), k_pos.astype(jnp.int32), k_valid.astype(bool), jnp.asarray(window, jnp.int32))
-    return _fused(q, k, v, *ints, float(scale), 0.0 if softcap is None else float(softcap), reference)
+    return _fused(
+        q, k, v, *ints, jnp.asarray(scale, jnp.float32), 0.0 if softcap is None else float(softcap), reference
+    )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9))
 def _fused(q, k, v, q_pos, k_pos, k_valid, window, scale, softcap, reference):
     def kernel(*args):
         out = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, v.dtype), vmap_method="sequential")(
-            *args, scale=np.float32(scale), softcap=np.float32(softcap)
+            *args, softcap=np.float32(softcap)
         )
         return out.reshape(*q.shape[:2], -1)
 
-    args = (q, k, v, q_pos, k_pos, k_valid, window)
+    args = (q, k, v, q_pos, k_pos, k_valid, window, scale)
     return jax.lax.platform_dependent(*args, cpu=kernel, default=reference)
 
 
 def _fused_fwd(q, k, v, q_pos, k_pos, k_valid, window, scale, softcap, reference):
     out = _fused(q, k, v, q_pos, k_pos, k_valid, window, scale, softcap, reference)
-    return out, (q, k, v, q_pos, k_pos, k_valid, window)
+    return out, (q, k, v, q_pos, k_pos, k_valid, window, scale)
 
 
-def _fused_bwd(scale, softcap, reference, residuals, grad):
-    q, k, v, *rest = residuals
-    _, pull = jax.vjp(lambda q, k, v: reference(q, k, v, *rest), q, k, v)
-    return (*pull(grad), None, None, None, None)
+def _fused_bwd(softcap, reference, residuals, grad):
+    q, k, v, q_pos, k_pos, k_valid, window, scale = residuals
+    _, pull = jax.vjp(lambda q, k, v, scale: reference(q, k, v, q_pos, k_pos, k_valid, window, scale), q, k, v, scale)
+    dq, dk, dv, dscale = pull(grad)
+    return dq, dk, dv, None, None, None, None, dscale
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)

@@ -2,8 +2,8 @@
 // keys live in a small buffer and are softmaxed online, never written out as a [T, S] array (what XLA:CPU does).
 //
 // Semantics are those of `mot_jax.models.layers.attention` (allowed=None): q [B, T, H, d]; k, v [B, K, S, d];
-// q_pos [B, T], k_pos [B, S] int32; k_valid [B, S] bool; window int32 scalar. A key is visible to a query when it is
-// valid, not after it (q_pos - k_pos >= 0) and less than `window` positions behind it; logits are
+// q_pos [B, T], k_pos [B, S] int32; k_valid [B, S] bool; window (int32) and scale (float32) scalars. A key is
+// visible to a query when it is valid, not after it (q_pos - k_pos >= 0) and less than `window` positions behind it; logits are
 // (q . k) * scale, optionally soft-capped (softcap > 0: tanh(x / softcap) * softcap); a query with no visible key
 // attends uniformly to all S keys. Output [B, T, H, d] in v's dtype. float32 or bfloat16 inputs; bfloat16 is
 // widened to float32 tile by tile and every sum is float32.
@@ -25,6 +25,13 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define MOT_AMX 1
+#endif
+
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -35,6 +42,7 @@ constexpr int kLanes = 16;
 constexpr int kKeys = 64;  // keys per tile: 4 vectors
 typedef float vf __attribute__((vector_size(64)));
 typedef int32_t vi __attribute__((vector_size(64)));
+typedef uint32_t vu __attribute__((vector_size(64)));
 
 inline vf load(const float* p) {
   vf x;
@@ -68,6 +76,16 @@ inline vf vexp(vf x) {
   std::memcpy(&scale, &bits, sizeof(scale));
   vf y = p * scale;
   return x < lo ? vf{} : y;
+}
+
+// two float32 vectors rounded to bfloat16 (nearest even) and paired in 32-bit words, `lo` in the low halves
+inline vu bf16_pairs(vf lo, vf hi) {
+  vu a, b;
+  std::memcpy(&a, &lo, sizeof(a));
+  std::memcpy(&b, &hi, sizeof(b));
+  a = (a + 0x7fffu + ((a >> 16) & 1u)) >> 16;
+  b = (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
+  return a | (b << 16);
 }
 
 inline float widen(float x) { return x; }
@@ -135,6 +153,62 @@ inline void gemm(const float* a, int a_stride, int a_step, int rows4, const floa
   }
 }
 
+
+#ifdef MOT_AMX
+// bfloat16 blocks on AMX: the scores and the values' sums as tile products with float32 sums. Tile registers:
+// 0-3 the 2 x 2 float32 results, 4-5 the left operands, 6-7 the right ones (VNNI: row pairs interleaved).
+bool amx_ready() {  // Linux hands out the tile registers on request, once a process
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+void amx_configure() {
+  TileConfig config;
+  for (int i = 0; i < 8; ++i) config.colsb[i] = 64, config.rows[i] = 16;
+  _tile_loadconfig(&config);
+}
+
+// c[32 m][32 n] (+)= a[32 m][inner] . b, inner a multiple of 32: a rows `a_stride` bytes apart (bf16), b as VNNI
+// pairs [inner / 2][n] of 32-bit words `b_stride` bytes apart, c float32 rows `c_stride` bytes apart
+inline void amx_32x32(const uint16_t* a, int a_stride, const uint32_t* b, int b_stride, int inner, float* c,
+                      int c_stride, bool accumulate) {
+  char* c0 = reinterpret_cast<char*>(c);
+  if (accumulate) {
+    _tile_loadd(0, c0, c_stride);
+    _tile_loadd(1, c0 + 64, c_stride);
+    _tile_loadd(2, c0 + 16 * c_stride, c_stride);
+    _tile_loadd(3, c0 + 16 * c_stride + 64, c_stride);
+  } else {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  const char* a0 = reinterpret_cast<const char*>(a);
+  const char* b0 = reinterpret_cast<const char*>(b);
+  for (int x = 0; x < inner; x += 32) {
+    _tile_loadd(4, a0 + x * 2, a_stride);
+    _tile_loadd(5, a0 + 16 * a_stride + x * 2, a_stride);
+    _tile_loadd(6, b0 + (x / 2) * b_stride, b_stride);
+    _tile_loadd(7, b0 + (x / 2) * b_stride + 64, b_stride);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, c0, c_stride);
+  _tile_stored(1, c0 + 64, c_stride);
+  _tile_stored(2, c0 + 16 * c_stride, c_stride);
+  _tile_stored(3, c0 + 16 * c_stride + 64, c_stride);
+}
+#endif
+
 struct Shape {
   int64_t batch, queries, heads, kv_heads, keys, dim;
   int group() const { return int(heads / kv_heads); }
@@ -143,6 +217,10 @@ struct Shape {
 struct Scratch {
   std::vector<float> qt, ot, st, k, v, m, l, best, shift, correction;
   std::vector<int32_t> qpos, from, kpos;
+  std::vector<uint32_t> qv, pv;  // AMX: queries and probabilities as VNNI pairs
+  std::vector<uint16_t> kb, vt;  // AMX: a partial tile's keys, the tile's values transposed [d][keys]
+  const float *keys, *values;    // float32: the tile's keys and values [keys][kd]
+  int kd;
 };
 
 template <typename T>
@@ -157,6 +235,7 @@ struct Problem {
   int block;           // queries per work item
   int blocks;          // query blocks per (batch row, KV head)
   int tiles;           // key tiles
+  bool amx = false;    // bfloat16 products on AMX tiles (else float32 vector FMAs)
   std::vector<int32_t> tile_min, tile_max;  // [B, tiles]: the valid keys' position range (min > max: none valid)
   std::vector<char> tile_full;              // [B, tiles]: every key of the tile is valid
 
@@ -169,8 +248,10 @@ void Problem<T>::run(int64_t item, Scratch& w) const {
   const int g = sh.group(), d = int(sh.dim), d4 = (d + 3) / 4 * 4;
   const int64_t b = item / (sh.kv_heads * blocks), h = item / blocks % sh.kv_heads, qb = item % blocks;
   const int64_t t0 = qb * block, nt = std::min<int64_t>(block, sh.queries - t0);
-  const int rows = int(g * nt), cols = (rows + kLanes - 1) / kLanes * kLanes;  // rows of the block, padded
-  w.qt.assign(size_t(d4) * cols, 0.f);
+  const int align = amx ? 32 : kLanes, rows = int(g * nt), cols = (rows + align - 1) / align * align;
+  const float post_scale = amx ? scale : 1.f;  // the AMX path scales the scores, the other the queries
+  if (amx) w.qv.assign(size_t(d / 2) * cols, 0u);
+  else w.qt.assign(size_t(d4) * cols, 0.f);
   w.ot.assign(size_t(d4) * cols, 0.f);
   w.st.resize(size_t(kKeys) * cols);
   w.k.assign(size_t(kKeys) * d4, 0.f);
@@ -192,7 +273,11 @@ void Problem<T>::run(int64_t item, Scratch& w) const {
     for (int j = 0; j < g; ++j) {
       const int64_t r = j * nt + t;
       const T* src = q + ((b * sh.queries + t0 + t) * sh.heads + h * g + j) * d;
-      for (int e = 0; e < d; ++e) w.qt[e * cols + r] = widen(src[e]) * scale;
+      if (amx) {
+        for (int e = 0; e < d / 2; ++e) std::memcpy(&w.qv[e * cols + r], src + 2 * e, sizeof(uint32_t));
+      } else {
+        for (int e = 0; e < d; ++e) w.qt[e * cols + r] = widen(src[e]) * scale;
+      }
       w.qpos[r] = p;
       w.from[r] = int32_t(std::max<int64_t>(int64_t(p) - window, INT_MIN));  // visible: from < key position <= p
     }
@@ -202,31 +287,54 @@ void Problem<T>::run(int64_t item, Scratch& w) const {
   const int32_t* kp = k_pos + b * sh.keys;
   const bool* kv = k_valid + b * sh.keys;
   const int64_t lower = int64_t(qmin) - window;  // a key at or below this is out of every query's window
+#ifdef MOT_AMX
+  if (amx) amx_configure();
+#endif
   for (int tile = 0; tile < tiles; ++tile) {
     const int32_t kmin = tile_min[b * tiles + tile], kmax = tile_max[b * tiles + tile];
     if (kmin > kmax || kmin > qmax || int64_t(kmax) <= lower) continue;
     const int64_t s0 = int64_t(tile) * kKeys;
-    const int n = int(std::min<int64_t>(kKeys, sh.keys - s0)), n4 = (n + 3) / 4 * 4;
+    const int n = int(std::min<int64_t>(kKeys, sh.keys - s0)), n4 = amx ? kKeys : (n + 3) / 4 * 4;
     for (int c = 0; c < kKeys; ++c) w.kpos[c] = c < n && kv[s0 + c] ? kp[s0 + c] : INT_MAX;
-    // this tile's keys and values as float32 [n4][d] (read in place when they already are, whole and aligned)
-    const float *kt, *vt;
-    int kd;
-    if (std::is_same_v<T, float> && n == n4 && d == d4) {
-      kt = reinterpret_cast<const float*>(kh + s0 * d);
-      vt = reinterpret_cast<const float*>(vh + s0 * d);
-      kd = d;
+    if (amx) {
+#ifdef MOT_AMX
+      const uint16_t* keys = reinterpret_cast<const uint16_t*>(kh + s0 * d);
+      const uint16_t* values = reinterpret_cast<const uint16_t*>(vh + s0 * d);
+      if (n < kKeys) {  // a partial tile: zero keys after the last
+        w.kb.assign(size_t(kKeys) * d, 0);
+        std::memcpy(w.kb.data(), keys, sizeof(uint16_t) * n * d);
+        keys = w.kb.data();
+      }
+      w.vt.resize(size_t(d) * kKeys);
+      for (int e = 0; e < d; ++e)
+        for (int c = 0; c < kKeys; ++c) w.vt[e * kKeys + c] = c < n ? values[c * d + e] : 0;
+      // st[key][row] = k[key] . q[row] (unscaled)
+      for (int c = 0; c < kKeys; c += 32)
+        for (int r = 0; r < cols; r += 32)
+          amx_32x32(keys + c * d, d * 2, w.qv.data() + r, cols * 4, d, w.st.data() + c * cols + r, cols * 4, false);
+#endif
     } else {
-      for (int c = 0; c < n; ++c)
-        for (int e = 0; e < d; ++e) {
-          w.k[c * d4 + e] = widen(kh[(s0 + c) * d + e]);
-          w.v[c * d4 + e] = widen(vh[(s0 + c) * d + e]);
-        }
-      for (int c = n; c < n4; ++c)
-        for (int e = 0; e < d4; ++e) w.k[c * d4 + e] = w.v[c * d4 + e] = 0.f;
-      kt = w.k.data(), vt = w.v.data(), kd = d4;
+      // this tile's keys and values as float32 [n4][d] (read in place when they already are, whole and aligned)
+      const float *kt, *vt;
+      int kd;
+      if (std::is_same_v<T, float> && n == n4 && d == d4) {
+        kt = reinterpret_cast<const float*>(kh + s0 * d);
+        vt = reinterpret_cast<const float*>(vh + s0 * d);
+        kd = d;
+      } else {
+        for (int c = 0; c < n; ++c)
+          for (int e = 0; e < d; ++e) {
+            w.k[c * d4 + e] = widen(kh[(s0 + c) * d + e]);
+            w.v[c * d4 + e] = widen(vh[(s0 + c) * d + e]);
+          }
+        for (int c = n; c < n4; ++c)
+          for (int e = 0; e < d4; ++e) w.k[c * d4 + e] = w.v[c * d4 + e] = 0.f;
+        kt = w.k.data(), vt = w.v.data(), kd = d4;
+      }
+      w.keys = kt, w.values = vt, w.kd = kd;
+      // st[key][row] = k[key] . q[row]
+      gemm(kt, kd, 1, n4, w.qt.data(), cols, d, w.st.data(), cols, cols, false);
     }
-    // st[key][row] = k[key] . q[row]
-    gemm(kt, kd, 1, n4, w.qt.data(), cols, d, w.st.data(), cols, cols, false);
     // online softmax along each row (column of st), a key row of st at a time
     const bool all_visible = tile_full[b * tiles + tile] && kmax <= qmin && int64_t(kmin) > int64_t(qmax) - window;
     float* best = w.best.data();
@@ -235,13 +343,13 @@ void Problem<T>::run(int64_t item, Scratch& w) const {
       float* sc = w.st.data() + size_t(c) * cols;
       const int32_t kpc = w.kpos[c];
       for (int r = 0; r < cols; r += kLanes) {
-        vf x = load(sc + r);
+        vf x = load(sc + r) * post_scale;
         if (softcap > 0)
           for (int i = 0; i < kLanes; ++i) x[i] = std::tanh(x[i] / softcap) * softcap;
         if (!all_visible) {
           x = (kpc <= loadi(w.qpos.data() + r)) & (kpc > loadi(w.from.data() + r)) ? x : splat(-INFINITY);
           store(sc + r, x);
-        } else if (softcap > 0) {
+        } else if (softcap > 0 || amx) {
           store(sc + r, x);
         }
         const vf m = load(best + r);
@@ -275,8 +383,26 @@ void Problem<T>::run(int64_t item, Scratch& w) const {
       for (int r = 0; r < cols; r += kLanes) store(o + r, load(o + r) * load(correction + r));
     }
     // ot[e][row] += sum_key v[key][e] p[key][row]
-    gemm(vt, 1, kd, d4, w.st.data(), cols, n4, w.ot.data(), cols, cols, true);
+    if (amx) {
+#ifdef MOT_AMX
+      w.pv.resize(size_t(kKeys / 2) * cols);
+      for (int c = 0; c < kKeys; c += 2)
+        for (int r = 0; r < cols; r += kLanes) {
+          const vu pair = bf16_pairs(load(w.st.data() + c * cols + r), load(w.st.data() + (c + 1) * cols + r));
+          std::memcpy(w.pv.data() + (c / 2) * cols + r, &pair, sizeof(pair));
+        }
+      for (int e = 0; e < d; e += 32)
+        for (int r = 0; r < cols; r += 32)
+          amx_32x32(w.vt.data() + e * kKeys, kKeys * 2, w.pv.data() + r, cols * 4, kKeys, w.ot.data() + e * cols + r,
+                    cols * 4, true);
+#endif
+    } else {
+      gemm(w.values, 1, w.kd, d4, w.st.data(), cols, n4, w.ot.data(), cols, cols, true);
+    }
   }
+#ifdef MOT_AMX
+  if (amx) _tile_release();
+#endif
   std::vector<float> mean;  // the uniform fallback of a row with no visible key: the mean of all S values
   for (int j = 0; j < g; ++j) {
     for (int64_t t = 0; t < nt; ++t) {
@@ -335,6 +461,9 @@ ffi::Error run(ffi::ThreadPool& pool, Problem<T>& pr) {
   int block = std::max(8, 256 / g);
   block = int(std::min<int64_t>(block, std::max<int64_t>(1, sh.queries)));
   pr.block = block;
+#ifdef MOT_AMX
+  pr.amx = std::is_same_v<T, uint16_t> && sh.dim % 32 == 0 && amx_ready();
+#endif
   pr.blocks = int((sh.queries + block - 1) / block);
   pr.tiles = int((sh.keys + kKeys - 1) / kKeys);
   pr.tile_min.assign(sh.batch * pr.tiles, INT_MAX);
@@ -363,7 +492,8 @@ ffi::Error run(ffi::ThreadPool& pool, Problem<T>& pr) {
 
 ffi::Error Attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                      ffi::Buffer<ffi::S32> q_pos, ffi::Buffer<ffi::S32> k_pos, ffi::Buffer<ffi::PRED> k_valid,
-                     ffi::Buffer<ffi::S32> window, ffi::Result<ffi::AnyBuffer> out, float scale, float softcap) {
+                     ffi::Buffer<ffi::S32> window, ffi::Buffer<ffi::F32> scale, ffi::Result<ffi::AnyBuffer> out,
+                     float softcap) {
   auto qd = q.dimensions(), kd = k.dimensions();
   if (qd.size() != 4 || kd.size() != 4) return ffi::Error::InvalidArgument("q and k must be rank 4");
   Shape sh{qd[0], qd[1], qd[2], kd[1], kd[2], qd[3]};
@@ -383,7 +513,7 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, f
     pr.k_pos = k_pos.typed_data();
     pr.k_valid = k_valid.typed_data();
     pr.window = window.typed_data()[0];
-    pr.scale = scale;
+    pr.scale = scale.typed_data()[0];
     pr.softcap = softcap;
     pr.out = static_cast<T*>(out->untyped_data());
     return run(pool, pr);
@@ -405,6 +535,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MotAttention, Attention,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::PRED>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::AnyBuffer>()
-                                  .Attr<float>("scale")
                                   .Attr<float>("softcap"));
