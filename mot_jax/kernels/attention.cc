@@ -209,6 +209,12 @@ inline void amx_32x32(const uint16_t* a, int a_stride, const uint32_t* b, int b_
 }
 #endif
 
+// a tile's values [n][d] as [d][kKeys], zero after the n-th key (the left operand of the AMX values' product)
+inline void transpose_values(const uint16_t* values, int n, int d, uint16_t* out) {
+  for (int c = 0; c < kKeys; ++c)
+    for (int e = 0; e < d; ++e) out[e * kKeys + c] = c < n ? values[c * d + e] : 0;
+}
+
 struct Shape {
   int64_t batch, queries, heads, kv_heads, keys, dim;
   int group() const { return int(heads / kv_heads); }
@@ -236,6 +242,7 @@ struct Problem {
   int blocks;          // query blocks per (batch row, KV head)
   int tiles;           // key tiles
   bool amx = false;    // bfloat16 products on AMX tiles (else float32 vector FMAs)
+  const uint16_t* values_transposed = nullptr;  // AMX: [B, K, tiles, d, keys], when several blocks share them
   std::vector<int32_t> tile_min, tile_max;  // [B, tiles]: the valid keys' position range (min > max: none valid)
   std::vector<char> tile_full;              // [B, tiles]: every key of the tile is valid
 
@@ -296,6 +303,7 @@ void Problem<T>::run(int64_t item, Scratch& w) const {
     const int64_t s0 = int64_t(tile) * kKeys;
     const int n = int(std::min<int64_t>(kKeys, sh.keys - s0)), n4 = amx ? kKeys : (n + 3) / 4 * 4;
     for (int c = 0; c < kKeys; ++c) w.kpos[c] = c < n && kv[s0 + c] ? kp[s0 + c] : INT_MAX;
+    const uint16_t* values_t = nullptr;  // AMX: this tile's values [d][keys]
     if (amx) {
 #ifdef MOT_AMX
       const uint16_t* keys = reinterpret_cast<const uint16_t*>(kh + s0 * d);
@@ -305,9 +313,13 @@ void Problem<T>::run(int64_t item, Scratch& w) const {
         std::memcpy(w.kb.data(), keys, sizeof(uint16_t) * n * d);
         keys = w.kb.data();
       }
-      w.vt.resize(size_t(d) * kKeys);
-      for (int e = 0; e < d; ++e)
-        for (int c = 0; c < kKeys; ++c) w.vt[e * kKeys + c] = c < n ? values[c * d + e] : 0;
+      if (values_transposed != nullptr) {
+        values_t = values_transposed + ((b * sh.kv_heads + h) * tiles + tile) * d * kKeys;
+      } else {
+        w.vt.resize(size_t(d) * kKeys);
+        transpose_values(values, n, d, w.vt.data());
+        values_t = w.vt.data();
+      }
       // st[key][row] = k[key] . q[row] (unscaled)
       for (int c = 0; c < kKeys; c += 32)
         for (int r = 0; r < cols; r += 32)
@@ -393,7 +405,7 @@ void Problem<T>::run(int64_t item, Scratch& w) const {
         }
       for (int e = 0; e < d; e += 32)
         for (int r = 0; r < cols; r += 32)
-          amx_32x32(w.vt.data() + e * kKeys, kKeys * 2, w.pv.data() + r, cols * 4, kKeys, w.ot.data() + e * cols + r,
+          amx_32x32(values_t + e * kKeys, kKeys * 2, w.pv.data() + r, cols * 4, kKeys, w.ot.data() + e * cols + r,
                     cols * 4, true);
 #endif
     } else {
@@ -480,6 +492,18 @@ ffi::Error run(ffi::ThreadPool& pool, Problem<T>& pr) {
       pr.tile_min[at] = std::min(pr.tile_min[at], p);
       pr.tile_max[at] = std::max(pr.tile_max[at], p);
     }
+  std::vector<uint16_t> values_transposed;
+  if (pr.amx && pr.blocks > 1) {  // every query block reads the same values: transpose them once
+    values_transposed.resize(sh.batch * sh.kv_heads * pr.tiles * sh.dim * kKeys);
+    parallel_for(pool, sh.batch * sh.kv_heads * pr.tiles, [&pr, &values_transposed](int64_t i, Scratch&) {
+      const Shape& sh = pr.shape;
+      const int64_t s0 = i % pr.tiles * kKeys, d = sh.dim;
+      const int n = int(std::min<int64_t>(kKeys, sh.keys - s0));
+      const uint16_t* v = reinterpret_cast<const uint16_t*>(pr.v) + (i / pr.tiles * sh.keys + s0) * d;
+      transpose_values(v, n, int(d), values_transposed.data() + i * d * kKeys);
+    });
+    pr.values_transposed = values_transposed.data();
+  }
   const int64_t per_head = pr.blocks, items = sh.batch * sh.kv_heads * per_head;
   // later query blocks see more keys: start them first so the last items to finish are short
   auto body = [&pr, per_head](int64_t i, Scratch& w) {
