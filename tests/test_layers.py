@@ -199,3 +199,29 @@ def test_greedy_decoding_reads_each_layers_weights_where_they_lie(family, dtype)
         logits, cache = generation.decode_step(model, token, cache)
         token = jnp.argmax(logits, -1)
     np.testing.assert_array_equal(np.asarray(tokens)[0], np.concatenate(steps))
+
+
+def reachable(hlo: str, name: str) -> str:
+    """The text of computation `name` and of every computation it calls (fusions, loops, branches), transitively."""
+    named = {m.group(1): c for c in re.split(r"\n(?=\S)", hlo) if (m := re.match(r"(?:ENTRY )?%([\w.\-]+)", c))}
+    seen, todo = set(), [name]
+    while todo:
+        current = todo.pop()
+        if current in seen or current not in named:
+            continue
+        seen.add(current)
+        todo += re.findall(r"(?:calls|to_apply|body|condition|branch_computations)=\{?%([\w.\-]+)", named[current])
+    return "\n".join(named[n] for n in seen)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma3"])
+def test_prefill_computes_rope_sin_and_cos_outside_the_layer_loop(family):
+    """XLA:CPU evaluates sin and cos element by element: the layer scan reads RoPE tables computed once before it
+    (one per distinct RoPE: Gemma-3's sliding layers have their own) instead of recomputing them in every layer."""
+    config = tiny.hf_config(f"random:{family}")
+    model = build_model(FAMILIES[config["model_type"]][0].config_from_hf(config), jnp.float32)
+    hlo = generation.prefill.lower(model, jnp.ones((1, 16), jnp.int32)).compile().as_text()
+    loops = set(re.findall(r"body=%([\w.\-]+)", hlo))
+    in_loops = "\n".join(reachable(hlo, loop) for loop in loops)
+    assert loops and "sine(" in hlo and "cosine(" in hlo
+    assert "sine(" not in in_loops and "cosine(" not in in_loops

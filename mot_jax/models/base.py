@@ -115,6 +115,7 @@ class LayerCache:
             self.k_valid = self.k_valid & ~jax.lax.dynamic_index_in_dim(cache.hidden, layer, keepdims=False)
         self.injection, self.topk, self.topk_indices = injection, topk, None
         self.fresh = fresh  # the cache was empty before these tokens (index 0, known when tracing)
+        self.rope = None  # this layer's RoPE cos and sin at q_pos, when the model computed them for every layer
 
     def attend(self, q, k, v, *, scale, window=GLOBAL_WINDOW, softcap=None):
         """q: [B, T, H, d], k/v: [B, T, K, d] for the new tokens; returns [B, T, H * d]."""
@@ -287,6 +288,7 @@ class CausalLM(nnx.Module):
         x = self.embed(input_ids, positions) if embeddings is None else self.input_embeddings(embeddings, positions)
 
         graphdef, stacked = nnx.split(self.layers)
+        rope = self.rope_tables(positions)  # once, outside the layer loop
         per_layer = None
         if injection is not None:  # the injection's per-layer fields travel through the scan
             per_layer = injection.replace(k=None, v=None, hidden=None)
@@ -302,6 +304,9 @@ class CausalLM(nnx.Module):
                     replaced = jax.lax.dynamic_index_in_dim(injection.hidden, jnp.maximum(slot, 0), keepdims=False)
                     x = jnp.where(slot >= 0, replaced.astype(x.dtype), x)
             layer_cache = view(k_all, v_all, layer, cache.index, positions, cache, layer_injection, topk, fresh)
+            if rope is not None:
+                kinds, cos, sin = rope
+                layer_cache.rope = (cos[kinds[layer]], sin[kinds[layer]])
             inputs = x if layer_inputs else None
             x = nnx.merge(graphdef, layer_params)(x, positions, layer, layer_cache)
             return (x, layer_cache.k_all, layer_cache.v_all), (layer_cache.topk_indices, inputs)
@@ -339,6 +344,11 @@ class CausalLM(nnx.Module):
         xs = jax.tree.map(lambda a: a[start:], (bf16_as_bits(stacked), jnp.arange(self.config.num_layers)))
         (_, k, v), _ = jax.lax.scan(body, (hidden, cache.k, cache.v), xs)
         return cache.replace(k=k, v=v)
+
+    def rope_tables(self, positions):
+        """(each layer's index [L], cos [F, B, T, 1, d], sin) of the F distinct RoPEs at `positions` [B, T], or None
+        (no RoPE): computed once outside the layer loop (a rotary family overrides this)."""
+        return None
 
     def embed(self, ids, positions):
         """The first layer's input residual stream [B, T, D] of `ids` at `positions`."""

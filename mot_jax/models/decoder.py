@@ -14,7 +14,16 @@ from flax import nnx
 from mot_jax.errors import MotJaxError
 from mot_jax.models import mapping
 from mot_jax.models.base import CausalLM, ModelConfig
-from mot_jax.models.layers import GLOBAL_WINDOW, Embed, Linear, RMSNorm, activation, apply_rope, rope_inv_freq
+from mot_jax.models.layers import (
+    GLOBAL_WINDOW,
+    Embed,
+    Linear,
+    RMSNorm,
+    activation,
+    apply_rope,
+    rope_inv_freq,
+    rope_tables,
+)
 
 BASE_PREFIX = "model."
 SUPPORTED_ROPE = ("default", "linear", "llama3")
@@ -75,6 +84,15 @@ def rope_table(cfg: ModelConfig):
     return jnp.stack([local if w < GLOBAL_WINDOW else full for w in cfg.windows])
 
 
+def rope_kinds(cfg: ModelConfig):
+    """(inverse frequencies [F, head_dim / 2] of the F distinct RoPEs, each layer's index into them [L])."""
+    sliding = [w < GLOBAL_WINDOW for w in cfg.windows]
+    freqs = [rope_inv_freq(cfg.head_dim, cfg.rope_theta, dict(cfg.rope_scaling))]
+    if any(sliding):
+        freqs.append(rope_inv_freq(cfg.head_dim, cfg.local_rope_theta, dict(cfg.local_rope_scaling)))
+    return jnp.stack(freqs), jnp.asarray(sliding, jnp.int32)
+
+
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs, dtype):
         lead, D, H, K, d = (cfg.num_layers,), cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -120,8 +138,9 @@ class Block(nnx.Module):
             self.post_feedforward_layernorm = norm()
         self.mlp = MLP(cfg, rngs=rngs, dtype=dtype)
 
-    def key_value(self, x, positions, layer):
-        """This layer's K (normed, rotated: as cached) and V [B, T, K, d] of its input residual stream x."""
+    def key_value(self, x, positions, layer, rope=None):
+        """This layer's K (normed, rotated: as cached) and V [B, T, K, d] of its input residual stream x (`rope`:
+        this layer's `rope_tables` at `positions`, when computed already)."""
         cfg, attn = self.cfg, self.self_attn
         b, t, _ = x.shape
         h = self.input_layernorm(x)
@@ -129,7 +148,7 @@ class Block(nnx.Module):
         v = attn.v_proj(h).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
             k = attn.k_norm(k)
-        return apply_rope(k, positions, rope_table(cfg)[layer]), v
+        return apply_rope(k, positions, rope_table(cfg)[layer], rope), v
 
     def __call__(self, x, positions, layer, cache):
         cfg, attn = self.cfg, self.self_attn
@@ -138,8 +157,8 @@ class Block(nnx.Module):
         if cfg.qk_norm:
             q = attn.q_norm(q)
         window, inv_freq = jnp.asarray(cfg.windows)[layer], rope_table(cfg)[layer]
-        q = apply_rope(q, positions, inv_freq)
-        k, v = self.key_value(x, positions, layer)
+        q = apply_rope(q, positions, inv_freq, cache.rope)
+        k, v = self.key_value(x, positions, layer, cache.rope)
         scale = cfg.query_scale or cfg.head_dim**-0.5
         out = attn.o_proj(cache.attend(q, k, v, scale=scale, window=window, softcap=cfg.attn_softcap))
         if not cfg.sandwich_norms:
@@ -160,6 +179,12 @@ class RotaryLM(CausalLM):
         self.lm_head = (
             None if tied else Linear(D, cfg.vocab_size, ("embed", "vocab"), rngs=rngs, dtype=dtype, bias=False)
         )
+
+    def rope_tables(self, positions):
+        """See `CausalLM.rope_tables`: a table per distinct RoPE (Gemma-3's sliding layers have their own)."""
+        freqs, kinds = rope_kinds(self.config)
+        tables = [rope_tables(positions, f, self.param_dtype) for f in freqs]
+        return kinds, jnp.stack([c for c, _ in tables]), jnp.stack([s for _, s in tables])
 
     def token_embeddings(self, ids):
         x = self.embed_tokens(ids)

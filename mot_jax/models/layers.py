@@ -196,11 +196,19 @@ def rope_inv_freq(head_dim, theta, scaling=None):
     raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, linear, llama3")
 
 
-def apply_rope(x, positions, inv_freq):
-    """Rotate-half RoPE (the HF layout). x: [B, T, H, d]; positions: [B, T]; inv_freq: [d/2]."""
+def rope_tables(positions, inv_freq, dtype):
+    """`apply_rope`'s cos and sin [B, T, 1, d] at positions [B, T] (computed once for every layer that shares them:
+    XLA:CPU evaluates sin and cos element by element)."""
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, d/2]
-    cos = jnp.concatenate([jnp.cos(angles)] * 2, -1)[:, :, None, :].astype(x.dtype)
-    sin = jnp.concatenate([jnp.sin(angles)] * 2, -1)[:, :, None, :].astype(x.dtype)
+    cos = jnp.concatenate([jnp.cos(angles)] * 2, -1)[:, :, None, :].astype(dtype)
+    sin = jnp.concatenate([jnp.sin(angles)] * 2, -1)[:, :, None, :].astype(dtype)
+    return cos, sin
+
+
+def apply_rope(x, positions, inv_freq, tables=None):
+    """Rotate-half RoPE (the HF layout). x: [B, T, H, d]; positions: [B, T]; inv_freq: [d/2]; `tables`: their
+    `rope_tables` when already computed."""
+    cos, sin = rope_tables(positions, inv_freq, x.dtype) if tables is None else tables
     x1, x2 = jnp.split(x, 2, axis=-1)
     return x * cos + jnp.concatenate([-x2, x1], -1) * sin
 
