@@ -450,7 +450,7 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, F body) {
   auto* fn = &body;
   auto work = [state, n, fn]() {
     int64_t mine = 0;
-    Scratch scratch;
+    thread_local Scratch scratch;  // kept between calls: no fresh pages for every layer
     for (int64_t i; (i = state->next.fetch_add(1)) < n; ++mine) (*fn)(i, scratch);
     if (mine) {
       std::lock_guard<std::mutex> lock(state->mu);
@@ -492,17 +492,18 @@ ffi::Error run(ffi::ThreadPool& pool, Problem<T>& pr) {
       pr.tile_min[at] = std::min(pr.tile_min[at], p);
       pr.tile_max[at] = std::max(pr.tile_max[at], p);
     }
-  std::vector<uint16_t> values_transposed;
+  thread_local std::vector<uint16_t> values_transposed;  // this call's thread owns it until the call returns
   if (pr.amx && pr.blocks > 1) {  // every query block reads the same values: transpose them once
     values_transposed.resize(sh.batch * sh.kv_heads * pr.tiles * sh.dim * kKeys);
-    parallel_for(pool, sh.batch * sh.kv_heads * pr.tiles, [&pr, &values_transposed](int64_t i, Scratch&) {
+    uint16_t* transposed = values_transposed.data();
+    parallel_for(pool, sh.batch * sh.kv_heads * pr.tiles, [&pr, transposed](int64_t i, Scratch&) {
       const Shape& sh = pr.shape;
       const int64_t s0 = i % pr.tiles * kKeys, d = sh.dim;
       const int n = int(std::min<int64_t>(kKeys, sh.keys - s0));
       const uint16_t* v = reinterpret_cast<const uint16_t*>(pr.v) + (i / pr.tiles * sh.keys + s0) * d;
-      transpose_values(v, n, int(d), values_transposed.data() + i * d * kKeys);
+      transpose_values(v, n, int(d), transposed + i * d * kKeys);
     });
-    pr.values_transposed = values_transposed.data();
+    pr.values_transposed = transposed;
   }
   const int64_t per_head = pr.blocks, items = sh.batch * sh.kv_heads * per_head;
   // later query blocks see more keys: start them first so the last items to finish are short
