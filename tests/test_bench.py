@@ -208,8 +208,8 @@ def test_models_table_reports_gflops_against_the_matmul_rate():
     one = 2 * 3 * 2 * (64 + 64 + 64 + 384) + 2 * 4 * 2 * 4 * (1 + 2 + 3) + 2 * 8 * 32
     assert flops.prefill_flops(cfg, 3) == one == 7808 and flops.prefill_flops(cfg, 3, batch=2) == 2 * one
     rows = [
-        ("m", "float32", 2048, 1, 0.5, 1.0, 3.0, 40e9),  # mot_jax 80 GFLOP/s, transformers 40
-        ("m", "bfloat16", 128, 8, 2.0, 1.0, 1.0, 10e9),
+        ("m", "float32", 2048, 1, 0.5, 1.0, 3.0, 40e9, 0.75),  # mot_jax 80 GFLOP/s, transformers 40
+        ("m", "bfloat16", 128, 8, 2.0, 1.0, 1.0, 10e9, None),
     ]
     rates = {"float32": 100e9, "bfloat16": 50e9}
     table = models.prefill_table(rows, rates)
@@ -220,8 +220,8 @@ def test_models_table_reports_gflops_against_the_matmul_rate():
         "mot_jax / matmul rate",
         "transformers / matmul rate",
     )
-    assert table.rows[0][6:] == ("2.00x", "80.0", "40.0", "80%", "40%", "3.0")
-    assert table.rows[1][6:] == ("0.50x", "5.0", "10.0", "10%", "20%", "1.0")
+    assert table.rows[0][6:] == ("2.00x", "80.0", "40.0", "80%", "40%", "3.0", "750", "1.50x")
+    assert table.rows[1][6:] == ("0.50x", "5.0", "10.0", "10%", "20%", "1.0", "n/a", "n/a")
     assert models.shares(rows, rates, 2048) == [0.8] and models.speedups(rows, "bfloat16") == [0.5]
     assert models.speed_goals(rows, ("float32", "bfloat16")) == [
         "Goal (float32 prefill faster than transformers in every cell): **met, 2.00x at the least**.",

@@ -9,7 +9,6 @@ import tempfile
 from mot_jax.bench.common import Plan, Section, Table, goal_note, log, median_time, ms, span
 from mot_jax.bench.flops import matmul_rate, prefill_flops, rate_size
 from mot_jax.models import tiny
-from mot_jax.models.base import PREFILL_BLOCK
 
 # Random-init stand-ins with the real shapes (Qwen2 at 12 layers of Qwen2.5-0.5B so a CPU run stays short), and the
 # tiny random families of `mot_jax.models.tiny` for --quick.
@@ -92,18 +91,24 @@ def synchronized(run):
 
 
 def bench_prefill(ours, theirs, ids, runs):
-    """(mot_jax seconds, transformers seconds, jit compile seconds) for one prefill of `ids`, interleaved."""
+    """(mot_jax seconds, transformers seconds, jit compile seconds, mot_jax seconds with XLA's attention instead of
+    the fused kernel or None where the kernel does not run) for one prefill of `ids`, interleaved."""
     import jax
     import jax.numpy as jnp
     import torch
 
+    from mot_jax import kernels
     from mot_jax.jit import jit
 
     prefill = jit(lambda model, ids: model(ids, logits_to_keep=1)[0])
+    prefill_xla = jit(lambda model, ids: model(ids, logits_to_keep=1)[0])
     jids, tids = jnp.asarray(ids), torch.tensor(ids, device=theirs.device)
 
     def run_ours():
         jax.block_until_ready(prefill(ours, jids))
+
+    def run_xla():
+        jax.block_until_ready(prefill_xla(ours, jids))
 
     @synchronized
     def run_theirs():
@@ -111,9 +116,17 @@ def bench_prefill(ours, theirs, ids, runs):
             theirs(tids, logits_to_keep=1, use_cache=True)
 
     compile_s = median_time(run_ours, 1)
+    fused = jax.default_backend() == "cpu" and kernels.TARGET in prefill.lower(ours, jids).as_text()
+    if fused:
+        with kernels.xla_attention():
+            run_xla()  # traced and compiled here
     run_theirs()  # warm-up
-    pairs = [(median_time(run_ours, 1), median_time(run_theirs, 1)) for _ in range(runs)]
-    return statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs), compile_s
+    timings = [
+        (median_time(run_ours, 1), median_time(run_theirs, 1), median_time(run_xla, 1) if fused else None)
+        for _ in range(runs)
+    ]
+    ours_s, theirs_s, xla_s = (statistics.median(t[i] for t in timings) if timings[0][i] else None for i in range(3))
+    return ours_s, theirs_s, compile_s, xla_s
 
 
 def bench_decode(ours, theirs, new_tokens, prompt, runs):
@@ -150,8 +163,8 @@ def bench_decode(ours, theirs, new_tokens, prompt, runs):
 
 
 def compare_models(names, dtypes, lengths, batches, plan, tmp, decode=False):
-    """Prefill rows (name, dtype, tokens, batch, ours s, theirs s, compile s, FLOPs) and decode rows (name, dtype,
-    ours tokens/s, theirs tokens/s)."""
+    """Prefill rows (name, dtype, tokens, batch, ours s, theirs s, compile s, FLOPs, ours s with XLA's attention or
+    None) and decode rows (name, dtype, ours tokens/s, theirs tokens/s)."""
     import numpy as np
 
     prefill_rows, decode_rows = [], []
@@ -161,11 +174,12 @@ def compare_models(names, dtypes, lengths, batches, plan, tmp, decode=False):
             for length in lengths:
                 for batch in batches:
                     ids = np.random.default_rng(0).integers(0, ours.config.vocab_size, size=(batch, length))
-                    mo, mt, compile_s = bench_prefill(ours, theirs, ids, plan.runs)
+                    mo, mt, compile_s, mx = bench_prefill(ours, theirs, ids, plan.runs)
                     flops = prefill_flops(ours.config, length, batch)
-                    prefill_rows.append((name, dtype, length, batch, mo, mt, compile_s, flops))
+                    prefill_rows.append((name, dtype, length, batch, mo, mt, compile_s, flops, mx))
+                    xla = f", mot_jax with XLA's attention {ms(mx)} ms" if mx else ""
                     log(
-                        f"  {name} {dtype} T={length} B={batch}: mot_jax {ms(mo)} ms, transformers {ms(mt)} ms "
+                        f"  {name} {dtype} T={length} B={batch}: mot_jax {ms(mo)} ms, transformers {ms(mt)} ms{xla} "
                         f"(compile {compile_s:.1f} s)"
                     )
             if decode and plan.decode_tokens > 1:
@@ -191,6 +205,8 @@ def prefill_table(rows, rates) -> Table:
         "mot_jax / matmul rate",
         "transformers / matmul rate",
         "jit compile (s)",
+        "mot_jax, XLA's attention (ms)",
+        "fused kernel's speed-up",
     )
     cells = [
         (
@@ -206,15 +222,17 @@ def prefill_table(rows, rates) -> Table:
             f"{100 * flops / mo / rates[dtype]:.0f}%",
             f"{100 * flops / mt / rates[dtype]:.0f}%",
             f"{compile_s:.1f}",
+            ms(mx) if mx else "n/a",
+            f"{mx / mo:.2f}x" if mx else "n/a",
         )
-        for name, dtype, length, batch, mo, mt, compile_s, flops in rows
+        for name, dtype, length, batch, mo, mt, compile_s, flops, mx in rows
     ]
     return Table(header, cells, left=2)
 
 
 def shares(rows, rates, tokens):
     """mot_jax's shares of the matmul rate in the cells of `tokens` tokens."""
-    return [flops / mo / rates[dtype] for _, dtype, length, _, mo, _, _, flops in rows if length == tokens]
+    return [flops / mo / rates[dtype] for _, dtype, length, _, mo, _, _, flops, _ in rows if length == tokens]
 
 
 def rate(tokens_per_s) -> str:
@@ -295,8 +313,7 @@ def bench_models(plan: Plan) -> Section:
             body += [
                 "### The offline pair",
                 f"{' and '.join(plan.pair)} ({weights(plan.pair)}), {' and '.join(plan.dtypes)}, batch 1, at "
-                f"{', '.join(map(str, plan.lengths))} tokens. A fresh prefill attends in causal query blocks of "
-                f"{PREFILL_BLOCK}, skipping the keys after each block.",
+                f"{', '.join(map(str, plan.lengths))} tokens.",
                 prefill_table(rows, rates),
             ]
             notes = speed_goals(rows, plan.dtypes)
@@ -335,6 +352,8 @@ def bench_models(plan: Plan) -> Section:
         "matmul FLOPs in closed form (`mot_jax/bench/flops.py`: projections, causal attention scores and values, the "
         "last position's logits; 2 per multiply-add) over each side's time; the share is that over the machine's "
         f"matmul rate measured in this run on a [{size}]^2 @ [{size}]^2 matmul in the cell's dtype (accumulated in "
-        f"float32, median of {runs}): {described}."
+        f"float32, median of {runs}): {described}. mot_jax, XLA's attention: the same prefill with attention "
+        "through XLA instead of the fused CPU kernel (`mot_jax/kernels`), in the same interleaved runs; the fused "
+        "kernel's speed-up is that time over mot_jax's (n/a where the kernel does not run)."
     )
     return Section("Model prefill and decode: mot_jax against transformers", intro, body)

@@ -13,6 +13,7 @@ through the reference path (the kernel is forward only).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -33,6 +34,18 @@ from mot_jax.paths import cache_lock, cache_root
 SOURCE = Path(__file__).with_name("attention.cc")
 TARGET = "mot_jax_attention"
 DTYPES = (jnp.float32, jnp.bfloat16)
+_xla_only = False  # set by `xla_attention()`
+
+
+@contextlib.contextmanager
+def xla_attention():
+    """Functions traced inside this block attend through XLA, not the kernel (a benchmark's side-by-side)."""
+    global _xla_only
+    before, _xla_only = _xla_only, True
+    try:
+        yield
+    finally:
+        _xla_only = before
 
 
 def _cpu_signature() -> str:
@@ -91,6 +104,7 @@ def supports(q, k, v, softcap) -> bool:
         and any(dtype == d for d in DTYPES)
         and k.shape[-1] == v.shape[-1] == q.shape[-1]
         and (softcap is None or softcap > 0)
+        and not _xla_only
         and available()
     )
 
