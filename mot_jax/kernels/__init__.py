@@ -5,10 +5,10 @@ which on long prefills takes about twice attention's share of the FLOPs. The ker
 in a small buffer and softmaxes them online (flash style), skipping key tiles no query of the block can see.
 
 The kernel is compiled on first use with the machine's C++ compiler (`-march=native`) into the shared cache
-(`$MOT_JAX_CACHE/kernels`, keyed by the source, the compiler, jaxlib and the CPU), under a lock and renamed into
-place. Without a compiler, or with `MOT_JAX_ATTENTION=xla`, attention runs through XLA (`layers.attention`'s
-reference path) after one warning. On other backends the reference path is always the one lowered. Gradients go
-through the reference path (the kernel is forward only).
+(`$MOT_JAX_CACHE/kernels`, keyed by the source, the compiler and its flags, jaxlib and the CPU), under a lock and
+renamed into place. Without a compiler (after one warning), or with `MOT_JAX_ATTENTION=xla`, attention runs through
+XLA (`layers.attention_reference`); on other backends that path is the one lowered. Gradients go through it too
+(the kernel is forward only).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import contextlib
 import ctypes
 import functools
 import hashlib
+import importlib.metadata
 import os
 import platform
 import shutil
@@ -60,7 +61,7 @@ def _build(compiler: str) -> Path:
     """The compiled library for this source, compiler, jaxlib and CPU, built once into the shared cache."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     flags = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC"]
-    key = "\0".join([SOURCE.read_text(), version, *flags, jax.__version__, _cpu_signature()])
+    key = "\0".join([SOURCE.read_text(), version, *flags, importlib.metadata.version("jaxlib"), _cpu_signature()])
     key = hashlib.sha256(key.encode()).hexdigest()[:16]
     library = cache_root() / "kernels" / f"attention-{key}.so"
     if library.exists():

@@ -3,10 +3,11 @@
 //
 // Semantics are those of `mot_jax.models.layers.attention` (allowed=None): q [B, T, H, d]; k, v [B, K, S, d];
 // q_pos [B, T], k_pos [B, S] int32; k_valid [B, S] bool; window (int32) and scale (float32) scalars. A key is
-// visible to a query when it is valid, not after it (q_pos - k_pos >= 0) and less than `window` positions behind it; logits are
-// (q . k) * scale, optionally soft-capped (softcap > 0: tanh(x / softcap) * softcap); a query with no visible key
-// attends uniformly to all S keys. Output [B, T, H, d] in v's dtype. float32 or bfloat16 inputs; bfloat16 is
-// widened to float32 tile by tile and every sum is float32.
+// visible to a query when it is valid, not after it (q_pos - k_pos >= 0) and less than `window` positions behind
+// it; logits are (q . k) * scale, optionally soft-capped (softcap > 0: tanh(x / softcap) * softcap); a query with no
+// visible key attends uniformly to all S keys. Output [B, T, H, d] in v's dtype. float32 runs on vector FMAs;
+// bfloat16 on AMX tiles (bf16 products with float32 sums, the probabilities rounded to bf16 before their product
+// with v as XLA's path does) where the head width is a multiple of 32 and the CPU has AMX, else widened to float32.
 //
 // Work items are (batch row, KV head, query block); the G query heads sharing a KV head are stacked as rows of one
 // block, so each key tile is loaded once for all of them. Key tiles wholly hidden from a query block (after its
