@@ -78,14 +78,14 @@ def base_config(d: dict, family: str, **overrides) -> ModelConfig:
 
 
 def rope_table(cfg: ModelConfig):
-    """[L, head_dim / 2] RoPE inverse frequencies of every layer (sliding layers use the local RoPE)."""
-    local = rope_inv_freq(cfg.head_dim, cfg.local_rope_theta, dict(cfg.local_rope_scaling))
-    full = rope_inv_freq(cfg.head_dim, cfg.rope_theta, dict(cfg.rope_scaling))
-    return jnp.stack([local if w < GLOBAL_WINDOW else full for w in cfg.windows])
+    """[L, head_dim / 2] RoPE inverse frequencies of every layer."""
+    freqs, kinds = rope_kinds(cfg)
+    return freqs[kinds]
 
 
 def rope_kinds(cfg: ModelConfig):
-    """(inverse frequencies [F, head_dim / 2] of the F distinct RoPEs, each layer's index into them [L])."""
+    """(inverse frequencies [F, head_dim / 2] of the F distinct RoPEs, each layer's index into them [L]): sliding
+    layers use the local RoPE."""
     sliding = [w < GLOBAL_WINDOW for w in cfg.windows]
     freqs = [rope_inv_freq(cfg.head_dim, cfg.rope_theta, dict(cfg.rope_scaling))]
     if any(sliding):
