@@ -7,8 +7,8 @@ in a small buffer and softmaxes them online (flash style), skipping key tiles no
 The kernel is compiled on first use with the machine's C++ compiler (`-march=native`) into the shared cache
 (`$MOT_JAX_CACHE/kernels`, keyed by the source, the compiler and its flags, jaxlib and the CPU), under a lock and
 renamed into place. Without a compiler (after one warning), or with `MOT_JAX_ATTENTION=xla`, attention runs through
-XLA (`layers.attention_reference`); on other backends that path is the one lowered. Gradients go through it too
-(the kernel is forward only).
+XLA (`layers.attention_reference`); on other backends that path is the one lowered, and so it is in multi-process
+runs (the custom call has no partitioning rule). Gradients go through it too (the kernel is forward only).
 """
 
 from __future__ import annotations
@@ -106,6 +106,7 @@ def supports(q, k, v, softcap) -> bool:
         and k.shape[-1] == v.shape[-1] == q.shape[-1]
         and (softcap is None or softcap > 0)
         and not _xla_only
+        and jax.process_count() == 1  # it has no partitioning rule: across processes XLA's collectives stay XLA's
         and available()
     )
 
