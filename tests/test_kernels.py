@@ -31,7 +31,7 @@ def reference(q, k, v, q_pos, k_pos, k_valid, *, scale, window=GLOBAL_WINDOW, so
 
 
 CASES = {
-    # name: (b, t, h, kv, s, d, offset, pad, window, softcap, dtype)
+    # name: (b, t, h, kv, s, d, offset, pad, window, softcap)
     "prefill, 3 query heads a KV head, several query blocks and key tiles": (1, 300, 9, 3, 300, 64, 0, 0, None, None),
     "continuation over a cache with empty slots, left padding": (2, 37, 4, 2, 200, 24, 90, 20, None, None),
     "sliding window smaller than a key tile": (2, 130, 4, 1, 130, 16, 0, 3, 17, None),

@@ -133,11 +133,16 @@ def f32_copies(hlo: str, shapes) -> list[str]:
     return found
 
 
+def named_computations(hlo: str) -> dict[str, str]:
+    """Each computation of HLO text by name."""
+    named = ((re.match(r"(?:ENTRY )?%([\w.\-]+)", c), c) for c in re.split(r"\n(?=\S)", hlo))
+    return {m.group(1): c for m, c in named if m}
+
+
 def computations(hlo: str) -> dict[str, str]:
     """Each computation of HLO text by name, but fusion bodies (computed where their elements are read)."""
     bodies = set(re.findall(r"calls=%([\w.\-]+)", hlo))
-    named = ((re.match(r"(?:ENTRY )?%([\w.\-]+)", c), c) for c in re.split(r"\n(?=\S)", hlo))
-    return {m.group(1): c for m, c in named if m and m.group(1) not in bodies}
+    return {name: c for name, c in named_computations(hlo).items() if name not in bodies}
 
 
 @pytest.mark.parametrize("family", ["gpt2", "opt", "qwen2", "gemma3"])
@@ -203,7 +208,7 @@ def test_greedy_decoding_reads_each_layers_weights_where_they_lie(family, dtype)
 
 def reachable(hlo: str, name: str) -> str:
     """The text of computation `name` and of every computation it calls (fusions, loops, branches), transitively."""
-    named = {m.group(1): c for c in re.split(r"\n(?=\S)", hlo) if (m := re.match(r"(?:ENTRY )?%([\w.\-]+)", c))}
+    named = named_computations(hlo)
     seen, todo = set(), [name]
     while todo:
         current = todo.pop()

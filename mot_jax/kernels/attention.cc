@@ -258,12 +258,15 @@ void Problem<T>::run(int64_t item, Scratch& w) const {
   const int64_t t0 = qb * block, nt = std::min<int64_t>(block, sh.queries - t0);
   const int align = amx ? 32 : kLanes, rows = int(g * nt), cols = (rows + align - 1) / align * align;
   const float post_scale = amx ? scale : 1.f;  // the AMX path scales the scores, the other the queries
-  if (amx) w.qv.assign(size_t(d / 2) * cols, 0u);
-  else w.qt.assign(size_t(d4) * cols, 0.f);
+  if (amx) {
+    w.qv.assign(size_t(d / 2) * cols, 0u);
+  } else {
+    w.qt.assign(size_t(d4) * cols, 0.f);
+    w.k.assign(size_t(kKeys) * d4, 0.f);  // float32 copies of a tile's keys and values, zero past d and n
+    w.v.assign(size_t(kKeys) * d4, 0.f);
+  }
   w.ot.assign(size_t(d4) * cols, 0.f);
   w.st.resize(size_t(kKeys) * cols);
-  w.k.assign(size_t(kKeys) * d4, 0.f);
-  w.v.assign(size_t(kKeys) * d4, 0.f);
   w.m.assign(cols, -INFINITY);
   w.l.assign(cols, 0.f);
   w.qpos.assign(cols, INT_MIN);  // padding rows see no key
