@@ -39,11 +39,20 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int kLanes = 16;
-constexpr int kKeys = 64;  // keys per tile: 4 vectors
-typedef float vf __attribute__((vector_size(64)));
-typedef int32_t vi __attribute__((vector_size(64)));
-typedef uint32_t vu __attribute__((vector_size(64)));
+// A vector is one register: 16 floats with AVX-512 (32 registers: a micro-kernel keeps 4 x 4 sums), else 8 (AVX2's
+// 16 registers: 4 x 2 sums). Wider vectors than the registers spill the sums on every step.
+#ifdef __AVX512F__
+#define MOT_LANES 16
+constexpr int kPanel = 4;  // vectors of columns per micro-kernel
+#else
+#define MOT_LANES 8
+constexpr int kPanel = 2;
+#endif
+constexpr int kLanes = MOT_LANES;
+constexpr int kKeys = 64;  // keys per tile
+typedef float vf __attribute__((vector_size(4 * MOT_LANES)));
+typedef int32_t vi __attribute__((vector_size(4 * MOT_LANES)));
+typedef uint32_t vu __attribute__((vector_size(4 * MOT_LANES)));
 
 inline vf load(const float* p) {
   vf x;
@@ -57,6 +66,13 @@ inline vi loadi(const int32_t* p) {
   return x;
 }
 inline vf splat(float s) { return __builtin_shuffle(vf{s}, vi{}); }
+// Keeps x in a register: GCC otherwise folds the load of b's vectors into every row's FMA, re-reading them from
+// memory once per row, and the loads, not the FMAs, bound the micro-kernel.
+inline void in_register(vf& x) {
+#ifdef __x86_64__
+  asm("" : "+v"(x));
+#endif
+}
 
 // exp for x <= 0 (Cephes' polynomial on a range-reduced argument); exactly 0 below -87.
 inline vf vexp(vf x) {
@@ -122,6 +138,7 @@ inline void gemm_4xNV(const float* a, int a_stride, int a_step, const float* b, 
   for (int x = 0; x < inner; ++x) {
     vf bv[NV];
     for (int j = 0; j < NV; ++j) bv[j] = load(b + x * b_stride + j * kLanes);
+    for (int j = 0; j < NV; ++j) in_register(bv[j]);
     const int ax = x * a_step;
     vf x0 = splat(a0[ax]), x1 = splat(a1[ax]), x2 = splat(a2[ax]), x3 = splat(a3[ax]);
     for (int j = 0; j < NV; ++j) {
@@ -135,22 +152,25 @@ inline void gemm_4xNV(const float* a, int a_stride, int a_step, const float* b, 
     for (int j = 0; j < NV; ++j) store(c + i * c_stride + j * kLanes, acc[i][j]);
 }
 
-// c[4 i][cols] (+)= sum_x a[i][x] b[x][cols] for every 4-row group of `rows4` and the `cols` (a multiple of 16),
-// a 64-column panel of b at a time so that the panel stays in L1 across the row groups
+// gemm_4xNV for the `nv` (<= NV) vectors of columns left
+template <int NV>
+inline void panel(int nv, const float* a, int a_stride, int a_step, const float* b, int b_stride, int inner, float* c,
+                  int c_stride, bool accumulate) {
+  if (nv == NV)
+    gemm_4xNV<NV>(a, a_stride, a_step, b, b_stride, inner, c, c_stride, accumulate);
+  else if constexpr (NV > 1)
+    panel<NV - 1>(nv, a, a_stride, a_step, b, b_stride, inner, c, c_stride, accumulate);
+}
+
+// c[4 i][cols] (+)= sum_x a[i][x] b[x][cols] for every 4-row group of `rows4` and the `cols` (a multiple of kLanes),
+// a panel of kPanel vectors of b's columns at a time so that the panel stays in L1 across the row groups
 inline void gemm(const float* a, int a_stride, int a_step, int rows4, const float* b, int b_stride, int inner,
                  float* c, int c_stride, int cols, bool accumulate) {
-  for (int j = 0; j < cols; j += 4 * kLanes) {
-    const int nv = std::min(4, (cols - j) / kLanes);
-    for (int i = 0; i < rows4; i += 4) {
-      const float* ai = a + i * a_stride;
-      float* ci = c + i * c_stride + j;
-      switch (nv) {
-        case 4: gemm_4xNV<4>(ai, a_stride, a_step, b + j, b_stride, inner, ci, c_stride, accumulate); break;
-        case 3: gemm_4xNV<3>(ai, a_stride, a_step, b + j, b_stride, inner, ci, c_stride, accumulate); break;
-        case 2: gemm_4xNV<2>(ai, a_stride, a_step, b + j, b_stride, inner, ci, c_stride, accumulate); break;
-        case 1: gemm_4xNV<1>(ai, a_stride, a_step, b + j, b_stride, inner, ci, c_stride, accumulate); break;
-      }
-    }
+  for (int j = 0; j < cols; j += kPanel * kLanes) {
+    const int nv = std::min(kPanel, (cols - j) / kLanes);
+    for (int i = 0; i < rows4; i += 4)
+      panel<kPanel>(nv, a + i * a_stride, a_stride, a_step, b + j, b_stride, inner, c + i * c_stride + j, c_stride,
+                    accumulate);
   }
 }
 
@@ -257,16 +277,18 @@ void Problem<T>::run(int64_t item, Scratch& w) const {
   const int64_t b = item / (sh.kv_heads * blocks), h = item / blocks % sh.kv_heads, qb = item % blocks;
   const int64_t t0 = qb * block, nt = std::min<int64_t>(block, sh.queries - t0);
   const int align = amx ? 32 : kLanes, rows = int(g * nt), cols = (rows + align - 1) / align * align;
+  // the row stride of qt, st and ot: float32 rows a power of two apart fall into a few L1 sets and evict each other
+  const int ld = amx ? cols : cols + kLanes;
   const float post_scale = amx ? scale : 1.f;  // the AMX path scales the scores, the other the queries
   if (amx) {
     w.qv.assign(size_t(d / 2) * cols, 0u);
   } else {
-    w.qt.assign(size_t(d4) * cols, 0.f);
+    w.qt.assign(size_t(d4) * ld, 0.f);
     w.k.assign(size_t(kKeys) * d4, 0.f);  // float32 copies of a tile's keys and values, zero past d and n
     w.v.assign(size_t(kKeys) * d4, 0.f);
   }
-  w.ot.assign(size_t(d4) * cols, 0.f);
-  w.st.resize(size_t(kKeys) * cols);
+  w.ot.assign(size_t(d4) * ld, 0.f);
+  w.st.resize(size_t(kKeys) * ld);
   w.m.assign(cols, -INFINITY);
   w.l.assign(cols, 0.f);
   w.qpos.assign(cols, INT_MIN);  // padding rows see no key
@@ -287,7 +309,7 @@ void Problem<T>::run(int64_t item, Scratch& w) const {
       if (amx) {
         for (int e = 0; e < d / 2; ++e) std::memcpy(&w.qv[e * cols + r], src + 2 * e, sizeof(uint32_t));
       } else {
-        for (int e = 0; e < d; ++e) w.qt[e * cols + r] = widen(src[e]) * scale;
+        for (int e = 0; e < d; ++e) w.qt[e * ld + r] = widen(src[e]) * scale;
       }
       w.qpos[r] = p;
       w.from[r] = int32_t(std::max<int64_t>(int64_t(p) - window, INT_MIN));  // visible: from < key position <= p
@@ -327,7 +349,7 @@ void Problem<T>::run(int64_t item, Scratch& w) const {
       // st[key][row] = k[key] . q[row] (unscaled)
       for (int c = 0; c < kKeys; c += 32)
         for (int r = 0; r < cols; r += 32)
-          amx_32x32(keys + c * d, d * 2, w.qv.data() + r, cols * 4, d, w.st.data() + c * cols + r, cols * 4, false);
+          amx_32x32(keys + c * d, d * 2, w.qv.data() + r, cols * 4, d, w.st.data() + c * ld + r, ld * 4, false);
 #endif
     } else {
       // this tile's keys and values as float32 [n4][d] (read in place when they already are, whole and aligned)
@@ -349,14 +371,14 @@ void Problem<T>::run(int64_t item, Scratch& w) const {
       }
       w.keys = kt, w.values = vt, w.kd = kd;
       // st[key][row] = k[key] . q[row]
-      gemm(kt, kd, 1, n4, w.qt.data(), cols, d, w.st.data(), cols, cols, false);
+      gemm(kt, kd, 1, n4, w.qt.data(), ld, d, w.st.data(), ld, cols, false);
     }
     // online softmax along each row (column of st), a key row of st at a time
     const bool all_visible = tile_full[b * tiles + tile] && kmax <= qmin && int64_t(kmin) > int64_t(qmax) - window;
     float* best = w.best.data();
     for (int r = 0; r < cols; r += kLanes) store(best + r, splat(-INFINITY));
     for (int c = 0; c < n; ++c) {
-      float* sc = w.st.data() + size_t(c) * cols;
+      float* sc = w.st.data() + size_t(c) * ld;
       const int32_t kpc = w.kpos[c];
       for (int r = 0; r < cols; r += kLanes) {
         vf x = load(sc + r) * post_scale;
@@ -384,18 +406,18 @@ void Problem<T>::run(int64_t item, Scratch& w) const {
       store(best + r, vf{});  // now the rows' sums over this tile
     }
     for (int c = 0; c < n; ++c) {
-      float* sc = w.st.data() + size_t(c) * cols;
+      float* sc = w.st.data() + size_t(c) * ld;
       for (int r = 0; r < cols; r += kLanes) {
         const vf e = vexp(load(sc + r) - load(shift + r));
         store(best + r, load(best + r) + e);
         store(sc + r, e);
       }
     }
-    for (int c = n; c < n4; ++c) std::memset(w.st.data() + size_t(c) * cols, 0, sizeof(float) * cols);
+    for (int c = n; c < n4; ++c) std::memset(w.st.data() + size_t(c) * ld, 0, sizeof(float) * cols);
     for (int r = 0; r < cols; r += kLanes)
       store(w.l.data() + r, load(w.l.data() + r) * load(correction + r) + load(best + r));
     for (int e = 0; e < d; ++e) {
-      float* o = w.ot.data() + size_t(e) * cols;
+      float* o = w.ot.data() + size_t(e) * ld;
       for (int r = 0; r < cols; r += kLanes) store(o + r, load(o + r) * load(correction + r));
     }
     // ot[e][row] += sum_key v[key][e] p[key][row]
@@ -404,16 +426,16 @@ void Problem<T>::run(int64_t item, Scratch& w) const {
       w.pv.resize(size_t(kKeys / 2) * cols);
       for (int c = 0; c < kKeys; c += 2)
         for (int r = 0; r < cols; r += kLanes) {
-          const vu pair = bf16_pairs(load(w.st.data() + c * cols + r), load(w.st.data() + (c + 1) * cols + r));
+          const vu pair = bf16_pairs(load(w.st.data() + c * ld + r), load(w.st.data() + (c + 1) * ld + r));
           std::memcpy(w.pv.data() + (c / 2) * cols + r, &pair, sizeof(pair));
         }
       for (int e = 0; e < d; e += 32)
         for (int r = 0; r < cols; r += 32)
-          amx_32x32(values_t + e * kKeys, kKeys * 2, w.pv.data() + r, cols * 4, kKeys, w.ot.data() + e * cols + r,
-                    cols * 4, true);
+          amx_32x32(values_t + e * kKeys, kKeys * 2, w.pv.data() + r, cols * 4, kKeys, w.ot.data() + e * ld + r,
+                    ld * 4, true);
 #endif
     } else {
-      gemm(w.values, 1, w.kd, d4, w.st.data(), cols, n4, w.ot.data(), cols, cols, true);
+      gemm(w.values, 1, w.kd, d4, w.st.data(), ld, n4, w.ot.data(), ld, cols, true);
     }
   }
 #ifdef MOT_AMX
@@ -426,7 +448,7 @@ void Problem<T>::run(int64_t item, Scratch& w) const {
       T* dst = out + ((b * sh.queries + t0 + t) * sh.heads + h * g + j) * d;
       if (w.m[r] != -INFINITY) {
         const float inv = 1.f / w.l[r];
-        for (int e = 0; e < d; ++e) narrow(w.ot[e * cols + r] * inv, dst + e);
+        for (int e = 0; e < d; ++e) narrow(w.ot[e * ld + r] * inv, dst + e);
         continue;
       }
       if (mean.empty()) {
