@@ -162,11 +162,15 @@ inline void panel(int nv, const float* a, int a_stride, int a_step, const float*
     panel<NV - 1>(nv, a, a_stride, a_step, b, b_stride, inner, c, c_stride, accumulate);
 }
 
+constexpr int kPanelCols = kPanel * kLanes;
+
 // c[4 i][cols] (+)= sum_x a[i][x] b[x][cols] for every 4-row group of `rows4` and the `cols` (a multiple of kLanes),
-// a panel of kPanel vectors of b's columns at a time so that the panel stays in L1 across the row groups
+// a panel of kPanelCols of b's columns at a time so that the panel stays in L1 across the row groups; panels p with
+// `active[p] == 0` are left out
 inline void gemm(const float* a, int a_stride, int a_step, int rows4, const float* b, int b_stride, int inner,
-                 float* c, int c_stride, int cols, bool accumulate) {
-  for (int j = 0; j < cols; j += kPanel * kLanes) {
+                 float* c, int c_stride, int cols, bool accumulate, const char* active) {
+  for (int j = 0; j < cols; j += kPanelCols) {
+    if (!active[j / kPanelCols]) continue;
     const int nv = std::min(kPanel, (cols - j) / kLanes);
     for (int i = 0; i < rows4; i += 4)
       panel<kPanel>(nv, a + i * a_stride, a_stride, a_step, b + j, b_stride, inner, c + i * c_stride + j, c_stride,
@@ -244,6 +248,8 @@ struct Shape {
 struct Scratch {
   std::vector<float> qt, ot, st, k, v, m, l, best, shift, correction;
   std::vector<int32_t> qpos, from, kpos;
+  std::vector<int32_t> panel_qmax, panel_from;  // per panel of kPanelCols rows: the latest query, the earliest `from`
+  std::vector<char> active;                     // per panel: some row may see a key of this tile
   std::vector<uint32_t> qv, pv;  // AMX: queries and probabilities as VNNI pairs
   std::vector<uint16_t> kb, vt;  // AMX: a partial tile's keys, the tile's values transposed [d][keys]
   const float *keys, *values;    // float32: the tile's keys and values [keys][kd]
@@ -320,12 +326,25 @@ void Problem<T>::run(int64_t item, Scratch& w) const {
   const int32_t* kp = k_pos + b * sh.keys;
   const bool* kv = k_valid + b * sh.keys;
   const int64_t lower = int64_t(qmin) - window;  // a key at or below this is out of every query's window
+  // A tile on the block's diagonal is hidden from the rows of its earlier queries: the products skip panels of such
+  // rows. Their scores in st are then stale, but the mask below sets them to -inf (a tile visible to every row is
+  // unmasked, and no panel of it is skipped), so their sums and outputs are left as they were.
+  const int panels = (cols + kPanelCols - 1) / kPanelCols;
+  w.panel_qmax.assign(panels, INT_MIN);
+  w.panel_from.assign(panels, INT_MAX);
+  w.active.assign(panels, 1);
+  for (int r = 0; r < cols; ++r) {
+    w.panel_qmax[r / kPanelCols] = std::max(w.panel_qmax[r / kPanelCols], w.qpos[r]);
+    w.panel_from[r / kPanelCols] = std::min(w.panel_from[r / kPanelCols], w.from[r]);
+  }
 #ifdef MOT_AMX
   if (amx) amx_configure();
 #endif
   for (int tile = 0; tile < tiles; ++tile) {
     const int32_t kmin = tile_min[b * tiles + tile], kmax = tile_max[b * tiles + tile];
     if (kmin > kmax || kmin > qmax || int64_t(kmax) <= lower) continue;
+    if (!amx)  // (the AMX path computes every panel)
+      for (int p = 0; p < panels; ++p) w.active[p] = w.panel_qmax[p] >= kmin && w.panel_from[p] < kmax;
     const int64_t s0 = int64_t(tile) * kKeys;
     const int n = int(std::min<int64_t>(kKeys, sh.keys - s0)), n4 = amx ? kKeys : (n + 3) / 4 * 4;
     for (int c = 0; c < kKeys; ++c) w.kpos[c] = c < n && kv[s0 + c] ? kp[s0 + c] : INT_MAX;
@@ -371,7 +390,7 @@ void Problem<T>::run(int64_t item, Scratch& w) const {
       }
       w.keys = kt, w.values = vt, w.kd = kd;
       // st[key][row] = k[key] . q[row]
-      gemm(kt, kd, 1, n4, w.qt.data(), ld, d, w.st.data(), ld, cols, false);
+      gemm(kt, kd, 1, n4, w.qt.data(), ld, d, w.st.data(), ld, cols, false, w.active.data());
     }
     // online softmax along each row (column of st), a key row of st at a time
     const bool all_visible = tile_full[b * tiles + tile] && kmax <= qmin && int64_t(kmin) > int64_t(qmax) - window;
@@ -435,7 +454,7 @@ void Problem<T>::run(int64_t item, Scratch& w) const {
                     ld * 4, true);
 #endif
     } else {
-      gemm(w.values, 1, w.kd, d4, w.st.data(), ld, n4, w.ot.data(), ld, cols, true);
+      gemm(w.values, 1, w.kd, d4, w.st.data(), ld, n4, w.ot.data(), ld, cols, true, w.active.data());
     }
   }
 #ifdef MOT_AMX
