@@ -229,6 +229,30 @@ def test_models_table_reports_gflops_against_the_matmul_rate():
     ]
 
 
+@pytest.mark.parametrize("theirs_delay, their_runs", [(0.0, 1 + 3), (1.0, 1)])
+def test_prefill_runs_a_far_slower_transformers_once(theirs_delay, their_runs):
+    """`bench models` times transformers by its warm-up run alone where that is over ONE_RUN times mot_jax's prefill
+    (bf16 on a CPU without bf16 instructions takes minutes a run); otherwise by the median of its interleaved runs."""
+    import time
+
+    import numpy as np
+
+    from mot_jax.bench import models
+    from mot_jax.models.registry import build_model
+
+    class Theirs:  # a stand-in for the transformers model: counts its calls, each `theirs_delay` seconds long
+        device, calls = "cpu", 0
+
+        def __call__(self, ids, **kwargs):
+            self.calls += 1
+            time.sleep(theirs_delay)
+
+    theirs = Theirs()
+    ids = np.zeros((1, 4), np.int32)
+    _, theirs_s, _, _ = models.bench_prefill(build_model(TINY_MODEL_CONFIG), theirs, ids, runs=3)
+    assert theirs.calls == their_runs and theirs_s >= theirs_delay
+
+
 def test_matmul_rate_is_measured_in_each_dtype():
     from mot_jax.bench import flops
 
