@@ -284,6 +284,7 @@ void Problem<T>::run(int64_t item, Scratch& w) const {
   const int64_t t0 = qb * block, nt = std::min<int64_t>(block, sh.queries - t0);
   const int align = amx ? 32 : kLanes, rows = int(g * nt), cols = (rows + align - 1) / align * align;
   // the row stride of qt, st and ot: float32 rows a power of two apart fall into a few L1 sets and evict each other
+  // (measured on the vector path; the AMX path keeps `cols`, not measured with the padding on an AMX machine)
   const int ld = amx ? cols : cols + kLanes;
   const float post_scale = amx ? scale : 1.f;  // the AMX path scales the scores, the other the queries
   if (amx) {
