@@ -166,15 +166,15 @@ def test_bfloat16_single_row_prefill_and_decode_copy_no_weight_to_f32(family):
         assert not f32_copies(hlo, shapes), f32_copies(hlo, shapes)
 
 
-def loop_body_arrays(hlo: str, shapes) -> list[str]:
-    """Instructions in the bodies of while loops (outside fusion bodies) that write an array of one of `shapes` (a
-    copy, a slice, a fusion: not a view such as a tuple element or a bitcast)."""
+def arrays_made(hlo: str, shapes, in_loops_only=False) -> list[str]:
+    """Instructions (outside fusion bodies; only in the bodies of while loops if `in_loops_only`) that write an array
+    of one of `shapes` (a copy, a slice, a fusion: not a view such as a tuple element or a bitcast)."""
     loops = set(re.findall(r"body=%([\w.\-]+)", hlo))
     wanted = {",".join(map(str, shape)) for shape in shapes}
     views = ("get-tuple-element", "bitcast", "parameter")
     found = []
     for name, computation in computations(hlo).items():
-        if name in loops:
+        if name in loops or not in_loops_only:
             made = re.findall(r"(%[\w.\-]+ = \w+\[([\d,]*)\]\S* ([\w\-]+)\()", computation)
             found += [m[0] for m in made if m[1] in wanted and m[2] not in views]
     return found
@@ -195,7 +195,8 @@ def test_greedy_decoding_reads_each_layers_weights_where_they_lie(family, dtype)
     _, cache = generation.prefill(model, ids, capacity=20)
     decode = dict(max_new_tokens=5, eos_ids=())
     hlo = generation.generate_from_cache_jit.lower(model, cache, question, **decode).compile().as_text()
-    assert layer_matrices and not loop_body_arrays(hlo, layer_matrices), loop_body_arrays(hlo, layer_matrices)
+    in_loops = arrays_made(hlo, layer_matrices, in_loops_only=True)
+    assert layer_matrices and not in_loops, in_loops
     tokens = generation.generate_from_cache(model, cache, question, **decode)
     logits, cache = model(question, cache=cache)
     steps, token = [], jnp.argmax(logits[:, -1], -1)
@@ -204,6 +205,18 @@ def test_greedy_decoding_reads_each_layers_weights_where_they_lie(family, dtype)
         logits, cache = generation.decode_step(model, token, cache)
         token = jnp.argmax(logits, -1)
     np.testing.assert_array_equal(np.asarray(tokens)[0], np.concatenate(steps))
+
+
+@pytest.mark.parametrize("family", ["gpt2", "gemma3"])
+def test_bfloat16_decoding_multiplies_the_tied_head_against_the_table_as_stored(family):
+    """Greedy decoding with a tied head in bf16 makes no transposed [D, V] copy of the embedding table: XLA:CPU hoists
+    one out of the decoding loop (once a call: the whole vocabulary) and its product against it is slower."""
+    config = tiny.hf_config(f"random:{family}")
+    model = build_model(FAMILIES[config["model_type"]][0].config_from_hf(config), jnp.bfloat16)
+    (table,) = [x.shape for x in jax.tree.leaves(nnx.state(model)) if x.shape[0] == config["vocab_size"]]
+    hlo = generation.generate.lower(model, jnp.ones((1, 8), jnp.int32), max_new_tokens=4, eos_ids=()).compile()
+    copies = arrays_made(hlo.as_text(), [table[::-1]])
+    assert not copies, copies
 
 
 def reachable(hlo: str, name: str) -> str:
