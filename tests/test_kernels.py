@@ -1,4 +1,5 @@
-"""The fused CPU attention kernel against XLA's attention (the reference path) and its build."""
+"""The CPU kernels against XLA's paths (fused attention against XLA's attention, the row kernel against float64
+products) and their build."""
 
 import shutil
 
@@ -12,7 +13,7 @@ from mot_jax.jit import jit
 from mot_jax.models import layers, tiny
 from mot_jax.models.layers import GLOBAL_WINDOW
 
-pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler to build the kernel")
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler to build the kernels")
 
 
 def inputs(rng, b, t, h, kv, s, d, *, offset, pad=0, dtype=jnp.float32):
@@ -121,12 +122,74 @@ def test_build_is_cached_and_a_missing_compiler_falls_back_with_a_warning(tmp_pa
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     kernels.available.cache_clear()
     try:
-        with pytest.warns(UserWarning, match="fused CPU attention kernel is unavailable"):
+        with pytest.warns(UserWarning, match="CPU kernels are unavailable"):
             assert not kernels.available()
         q, k, v, *rest = inputs(np.random.default_rng(5), 1, 10, 2, 1, 10, 8, offset=0)
-        assert not kernels.supports(q, k, v, None)
+        assert not kernels.supports(q, k, v, None) and not kernels.rows_supported(q[0, 0].astype(jnp.bfloat16), q[0, 0])
         np.testing.assert_allclose(
             np.asarray(layers.attention(q, k, v, *rest, scale=0.3)), np.asarray(reference(q, k, v, *rest, scale=0.3))
         )
     finally:
         kernels.available.cache_clear()
+
+
+@pytest.mark.parametrize(
+    "m, k, n, transposed",
+    [
+        (1, 640, 2048, False),  # whole vectors of bf16 pairs, several column blocks
+        (1, 100, 1000, False),  # a row length with a remainder after the pairs, a last block of 8 columns
+        (3, 33, 70, False),
+        (1, 640, 4099, True),  # a tied head: rows of w in fours and a remainder
+        (2, 100, 37, True),
+        (3, 17, 5, True),
+    ],
+)
+def test_row_product_matches_float64(m, k, n, transposed):
+    rng = np.random.default_rng(6)
+    x = jnp.asarray(rng.normal(size=(m, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(size=(n, k) if transposed else (k, n)), jnp.bfloat16)
+    assert kernels.rows_supported(x, w)
+    product = jax.jit(kernels.row_product, static_argnums=2)
+    assert kernels.ROWS_TARGET in product.lower(x, w, transposed).as_text()
+    x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    w64 = w64.T if transposed else w64
+    got = np.asarray(product(x, w, transposed))
+    assert got.dtype == np.float32 and got.shape == (m, n)
+    np.testing.assert_allclose(got, x64 @ w64, rtol=0, atol=1e-6 * (np.abs(x64) @ np.abs(w64)).max())
+
+
+def test_row_product_gradients_are_xlas():
+    rng = np.random.default_rng(7)
+    x, w = jnp.asarray(rng.normal(size=(1, 48)), jnp.bfloat16), jnp.asarray(rng.normal(size=(40, 48)), jnp.bfloat16)
+    cotangent = jnp.asarray(rng.normal(size=(1, 40)), jnp.float32)
+    got = jax.grad(lambda x, w: jnp.sum(kernels.row_product(x, w, True) * cotangent), argnums=(0, 1))(x, w)
+    want = jax.grad(
+        lambda x, w: jnp.sum(jnp.einsum("mk,nk->mn", x, w, preferred_element_type=jnp.float32) * cotangent),
+        argnums=(0, 1),
+    )(x, w)
+    for g, v in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(v, np.float32))
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_bfloat16_decoding_with_the_row_kernel_equals_xlas(family, monkeypatch):
+    """Decode steps of one sequence in bf16 (every projection and the head a single row, on the row kernel) against
+    the same steps on XLA's dots."""
+    model, config, _ = tiny.load(f"random:{family}", dtype=jnp.bfloat16)
+    ids, more = (jnp.asarray(np.random.default_rng(8).integers(3, config["vocab_size"], size=(1, n))) for n in (12, 4))
+
+    def run():  # traced afresh each time
+        steps = jit(lambda m, t, c: m(t[:, None], cache=c))
+        _, cache = jit(lambda m, i: m(i))(model, ids)
+        cache, logits = cache.with_capacity(20), []
+        for i in range(more.shape[1]):
+            out, cache = steps(model, more[:, i], cache)
+            logits.append(out[:, -1])
+        lowered = steps.lower(model, more[:, 0], cache).as_text()
+        return np.asarray(jnp.stack(logits), np.float32), kernels.ROWS_TARGET in lowered
+
+    kernel, kernel_lowered = run()
+    monkeypatch.setattr(kernels, "available", lambda: False)
+    xla, xla_lowered = run()
+    assert kernel_lowered and not xla_lowered
+    np.testing.assert_allclose(kernel, xla, atol=0.03 * np.abs(xla).max())  # bf16 logits (~1% apart here)

@@ -1,16 +1,20 @@
-"""A fused CPU attention kernel (`attention.cc`, an XLA FFI custom call) and its build.
+"""CPU kernels (XLA FFI custom calls) and their build: fused attention (`attention.cc`) and a single row times a
+bfloat16 matrix (`rows.cc`).
 
 XLA:CPU has no fused attention: it writes every [T, S] score array out, masks and softmaxes it in separate passes,
 which on long prefills takes about twice attention's share of the FLOPs. The kernel keeps a query block's scores
 in a small buffer and softmaxes them online (flash style), skipping key tiles no query of the block can see.
 
-The kernel is compiled on first use with the machine's C++ compiler (`-march=native`) into the shared cache
-(`$MOT_JAX_CACHE/kernels`, keyed by the source, the compiler and its flags, jaxlib and the CPU), under a lock and
-renamed into place. Without a compiler (after one warning), or with `MOT_JAX_ATTENTION=xla`, attention runs through
-XLA (`layers.attention_reference`); on other backends that path is the one lowered, and so it is in multi-process
-runs (the custom call has no partitioning rule). Gradients go through it too (the kernel is forward only).
-"""
+Decoding multiplies one row per sequence by every weight. XLA:CPU's bf16 kernel repacks the whole matrix for such a
+product and widens it slowly; `rows.cc` streams the matrix once as stored (prefetched ahead), widening in registers.
 
+The kernels are compiled on first use with the machine's C++ compiler (`-march=native`) into the shared cache
+(`$MOT_JAX_CACHE/kernels`, keyed by the sources, the compiler and its flags, jaxlib and the CPU), under a lock and
+renamed into place. Without a compiler (after one warning) XLA's paths run; `MOT_JAX_ATTENTION=xla` chooses XLA's
+attention (`layers.attention_reference`). On other backends XLA's paths are the ones lowered, and so they are in
+multi-process runs (the custom calls have no partitioning rule). Gradients go through XLA's paths (the kernels are
+forward only).
+"""
 from __future__ import annotations
 
 import contextlib
@@ -32,8 +36,9 @@ import numpy as np
 
 from mot_jax.paths import cache_lock, cache_root
 
-SOURCE = Path(__file__).with_name("attention.cc")
+SOURCES = [Path(__file__).with_name(name) for name in ("common.h", "attention.cc", "rows.cc")]
 TARGET = "mot_jax_attention"
+ROWS_TARGET = "mot_jax_rows"
 DTYPES = (jnp.float32, jnp.bfloat16)
 _xla_only = False  # set by `xla_attention()`
 
@@ -61,9 +66,10 @@ def _build(compiler: str) -> Path:
     """The compiled library for this source, compiler, jaxlib and CPU, built once into the shared cache."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     flags = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC"]
-    key = "\0".join([SOURCE.read_text(), version, *flags, importlib.metadata.version("jaxlib"), _cpu_signature()])
+    texts = [source.read_text() for source in SOURCES]
+    key = "\0".join([*texts, version, *flags, importlib.metadata.version("jaxlib"), _cpu_signature()])
     key = hashlib.sha256(key.encode()).hexdigest()[:16]
-    library = cache_root() / "kernels" / f"attention-{key}.so"
+    library = cache_root() / "kernels" / f"kernels-{key}.so"
     if library.exists():
         return library
     with cache_lock(library):
@@ -72,7 +78,8 @@ def _build(compiler: str) -> Path:
         library.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
             built = Path(scratch) / library.name
-            command = [compiler, *flags, "-I", jax.ffi.include_dir(), str(SOURCE), "-o", str(built)]
+            sources = [str(source) for source in SOURCES if source.suffix == ".cc"]
+            command = [compiler, *flags, "-I", jax.ffi.include_dir(), *sources, "-o", str(built)]
             subprocess.run(command, capture_output=True, text=True, check=True)
             os.replace(built, library)
     return library
@@ -80,18 +87,17 @@ def _build(compiler: str) -> Path:
 
 @functools.cache
 def available() -> bool:
-    """Whether the fused kernel is built and registered (once a process; warns once when it cannot be)."""
-    if os.environ.get("MOT_JAX_ATTENTION", "fused") == "xla":
-        return False
+    """Whether the kernels are built and registered (once a process; warns once when they cannot be)."""
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")
     try:
         if compiler is None:
             raise RuntimeError("no C++ compiler found (set CXX or install g++)")
         library = ctypes.cdll.LoadLibrary(str(_build(compiler)))
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.MotAttention), platform="cpu")
+        jax.ffi.register_ffi_target(ROWS_TARGET, jax.ffi.pycapsule(library.MotRows), platform="cpu")
     except (OSError, RuntimeError, AttributeError, subprocess.CalledProcessError) as e:
         detail = getattr(e, "stderr", None) or e
-        warnings.warn(f"mot_jax: the fused CPU attention kernel is unavailable, using XLA's ({detail})", stacklevel=2)
+        warnings.warn(f"mot_jax: the CPU kernels are unavailable, using XLA's paths ({detail})", stacklevel=2)
         return False
     return True
 
@@ -106,6 +112,7 @@ def supports(q, k, v, softcap) -> bool:
         and k.shape[-1] == v.shape[-1] == q.shape[-1]
         and (softcap is None or softcap > 0)
         and not _xla_only
+        and os.environ.get("MOT_JAX_ATTENTION", "fused") != "xla"
         and jax.process_count() == 1  # it has no partitioning rule: across processes XLA's collectives stay XLA's
         and available()
     )
@@ -147,3 +154,38 @@ def _fused_bwd(softcap, reference, residuals, grad):
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+def rows_supported(x, w) -> bool:
+    """Whether `row_product` can take these operands (else the caller runs XLA's product)."""
+    both_bf16 = x.dtype == jnp.bfloat16 and w.dtype == jnp.bfloat16
+    return both_bf16 and x.ndim == w.ndim == 2 and jax.process_count() == 1 and available()
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def row_product(x, w, transposed):
+    """x [M, K] @ w [K, N] (or @ w.T for w [N, K] when `transposed`) in float32 sums: [M, N] float32, by the kernel
+    on CPU. Meant for a single row (decoding one sequence): by 8 rows XLA's own kernel is the faster."""
+    n = w.shape[0] if transposed else w.shape[1]
+
+    def kernel(x, w):
+        out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
+        return jax.ffi.ffi_call(ROWS_TARGET, out, vmap_method="sequential")(x, w, transposed=transposed)
+
+    return jax.lax.platform_dependent(x, w, cpu=kernel, default=functools.partial(_xla_row_product, transposed))
+
+
+def _xla_row_product(transposed, x, w):
+    spec = "mk,nk->mn" if transposed else "mk,kn->mn"
+    return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
+
+
+def _row_product_fwd(x, w, transposed):
+    return row_product(x, w, transposed), (x, w)
+
+
+def _row_product_bwd(transposed, residuals, grad):
+    return jax.vjp(functools.partial(_xla_row_product, transposed), *residuals)[1](grad)
+
+
+row_product.defvjp(_row_product_fwd, _row_product_bwd)

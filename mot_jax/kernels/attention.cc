@@ -14,18 +14,6 @@
 // last query, out of its window, or all invalid) are skipped, which is the causal skip of a fresh prefill and the
 // empty slots of a cache. Items run on XLA's intra-op thread pool.
 
-#include <algorithm>
-#include <atomic>
-#include <climits>
-#include <cmath>
-#include <condition_variable>
-#include <cstdint>
-#include <cstring>
-#include <memory>
-#include <mutex>
-#include <type_traits>
-#include <vector>
-
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
 #include <immintrin.h>
 #include <sys/syscall.h>
@@ -33,46 +21,17 @@
 #define MOT_AMX 1
 #endif
 
-#include "xla/ffi/api/ffi.h"
-
-namespace ffi = xla::ffi;
+#include "common.h"
 
 namespace {
 
-// A vector is one register: 16 floats with AVX-512 (32 registers: a micro-kernel keeps 4 x 4 sums), else 8 (AVX2's
-// 16 registers: 4 x 2 sums). Wider vectors than the registers spill the sums on every step.
+// A micro-kernel keeps 4 x kPanel sums: 4 x 4 in AVX-512's 32 registers, 4 x 2 in AVX2's 16.
 #ifdef __AVX512F__
-#define MOT_LANES 16
 constexpr int kPanel = 4;  // vectors of columns per micro-kernel
 #else
-#define MOT_LANES 8
 constexpr int kPanel = 2;
 #endif
-constexpr int kLanes = MOT_LANES;
 constexpr int kKeys = 64;  // keys per tile
-typedef float vf __attribute__((vector_size(4 * MOT_LANES)));
-typedef int32_t vi __attribute__((vector_size(4 * MOT_LANES)));
-typedef uint32_t vu __attribute__((vector_size(4 * MOT_LANES)));
-
-inline vf load(const float* p) {
-  vf x;
-  std::memcpy(&x, p, sizeof(x));
-  return x;
-}
-inline void store(float* p, vf x) { std::memcpy(p, &x, sizeof(x)); }
-inline vi loadi(const int32_t* p) {
-  vi x;
-  std::memcpy(&x, p, sizeof(x));
-  return x;
-}
-inline vf splat(float s) { return __builtin_shuffle(vf{s}, vi{}); }
-// Keeps x in a register: GCC otherwise folds the load of b's vectors into every row's FMA, re-reading them from
-// memory once per row, and the loads, not the FMAs, bound the micro-kernel.
-inline void in_register(vf& x) {
-#ifdef __x86_64__
-  asm("" : "+v"(x));
-#endif
-}
 
 // exp for x <= 0 (Cephes' polynomial on a range-reduced argument); exactly 0 below -87.
 inline vf vexp(vf x) {
@@ -103,24 +62,6 @@ inline vu bf16_pairs(vf lo, vf hi) {
   a = (a + 0x7fffu + ((a >> 16) & 1u)) >> 16;
   b = (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
   return a | (b << 16);
-}
-
-inline float widen(float x) { return x; }
-inline float widen(uint16_t x) {
-  uint32_t bits = uint32_t(x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-inline void narrow(float x, float* out) { *out = x; }
-inline void narrow(float x, uint16_t* out) {  // round to nearest even
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof(bits));
-  if ((bits & 0x7fffffff) > 0x7f800000) {
-    *out = uint16_t((bits >> 16) | 0x40);  // quiet NaN
-    return;
-  }
-  *out = uint16_t((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
 }
 
 // The block's rows (query head x query) run along vectors: queries are stored transposed, qt[d][rows], and so are
@@ -482,35 +423,6 @@ void Problem<T>::run(int64_t item, Scratch& w) const {
   }
 }
 
-// Runs items [0, n) on the caller and on the pool; returns when all are done. Late pool tasks find no item left
-// and only touch the shared counter, which they co-own.
-template <typename F>
-void parallel_for(ffi::ThreadPool& pool, int64_t n, F body) {
-  struct State {
-    std::atomic<int64_t> next{0};
-    int64_t done = 0;
-    std::mutex mu;
-    std::condition_variable cv;
-  };
-  auto state = std::make_shared<State>();
-  auto* fn = &body;
-  auto work = [state, n, fn]() {
-    int64_t mine = 0;
-    thread_local Scratch scratch;  // kept between calls: no fresh pages for every layer
-    for (int64_t i; (i = state->next.fetch_add(1)) < n; ++mine) (*fn)(i, scratch);
-    if (mine) {
-      std::lock_guard<std::mutex> lock(state->mu);
-      state->done += mine;
-      if (state->done == n) state->cv.notify_all();
-    }
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule(decltype(work)(work));
-  work();
-  std::unique_lock<std::mutex> lock(state->mu);
-  state->cv.wait(lock, [&] { return state->done == n; });
-}
-
 template <typename T>
 ffi::Error run(ffi::ThreadPool& pool, Problem<T>& pr) {
   const Shape& sh = pr.shape;
@@ -542,7 +454,7 @@ ffi::Error run(ffi::ThreadPool& pool, Problem<T>& pr) {
   if (pr.amx && pr.blocks > 1) {  // every query block reads the same values: transpose them once
     values_transposed.resize(sh.batch * sh.kv_heads * pr.tiles * sh.dim * kKeys);
     uint16_t* transposed = values_transposed.data();
-    parallel_for(pool, sh.batch * sh.kv_heads * pr.tiles, [&pr, transposed](int64_t i, Scratch&) {
+    parallel_for<Scratch>(pool, sh.batch * sh.kv_heads * pr.tiles, [&pr, transposed](int64_t i, Scratch&) {
       const Shape& sh = pr.shape;
       const int64_t s0 = i % pr.tiles * kKeys, d = sh.dim;
       const int n = int(std::min<int64_t>(kKeys, sh.keys - s0));
@@ -557,7 +469,7 @@ ffi::Error run(ffi::ThreadPool& pool, Problem<T>& pr) {
     const int64_t rest = i % per_head;
     pr.run(i - rest + (per_head - 1 - rest), w);
   };
-  if (items) parallel_for(pool, items, body);
+  if (items) parallel_for<Scratch>(pool, items, body);
   return ffi::Error::Success();
 }
 
