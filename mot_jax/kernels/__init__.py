@@ -6,7 +6,7 @@ which on long prefills takes about twice attention's share of the FLOPs. The ker
 in a small buffer and softmaxes them online (flash style), skipping key tiles no query of the block can see.
 
 Decoding multiplies one row per sequence by every weight. XLA:CPU's bf16 kernel repacks the whole matrix for such a
-product and widens it slowly; `rows.cc` streams the matrix once as stored (prefetched ahead), widening in registers.
+product; `rows.cc` streams the matrix once as stored (prefetched ahead), widening bf16 to float32 in registers.
 
 The kernels are compiled on first use with the machine's C++ compiler (`-march=native`) into the shared cache
 (`$MOT_JAX_CACHE/kernels`, keyed by the sources, the compiler and its flags, jaxlib and the CPU), under a lock and
@@ -15,6 +15,7 @@ attention (`layers.attention_reference`). On other backends XLA's paths are the 
 multi-process runs (the custom calls have no partitioning rule). Gradients go through XLA's paths (the kernels are
 forward only).
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -1,9 +1,10 @@
-// A few rows times a bfloat16 matrix, for XLA:CPU: decoding multiplies one row per sequence by every weight, and
+// A row (or a few) times a bfloat16 matrix, for XLA:CPU: decoding multiplies one row per sequence by every weight, and
 // XLA:CPU's bf16 kernel (YNNPACK) repacks the whole matrix for each such product. Here the matrix is read once, as
 // stored, and widened to float32 in registers; the sums are float32.
 //
 // x [M, K] bfloat16; w [K, N] (out = x @ w) or, with `transposed`, [N, K] (out = x @ w^T: a tied head's table);
-// out [M, N] float32. Items are blocks of w's columns (or of its rows when transposed), on XLA's intra-op pool.
+// out [M, N] float32. Items, on XLA's intra-op pool, are blocks of w's rows: of K (their partial sums added after) or,
+// when transposed, of N.
 
 #include "common.h"
 
@@ -21,8 +22,8 @@ inline void widen_pairs(const uint16_t* p, vf& even, vf& odd) {
   std::memcpy(&odd, &o, sizeof(odd));
 }
 
-// Reads w's bytes kAhead ahead into L2 (prefetcht2): the hardware prefetchers alone leave a core's stream of w about
-// half as fast.
+// Asks for w's bytes further on into L2 (prefetcht2): the hardware prefetchers alone left a core's stream of w about
+// half as fast. The dots ask kAhead bytes ahead, the straight layout for the same columns of the next 4 rows.
 constexpr int64_t kAhead = 8192;
 inline void ahead(const uint16_t* p) { __builtin_prefetch(p, 0, 1); }
 
@@ -35,7 +36,7 @@ inline float sum(vf x) {
 struct None {};
 
 struct Problem {
-  const float* x;  // [M, K] widened, each kPair of a row's full kPair blocks stored even-indexed first (as w widens)
+  const float* x;  // [M, K] widened; when transposed each full kPair block stored even-indexed first (as w widens)
   const uint16_t* w;
   float* out;
   int64_t m, k, n;
