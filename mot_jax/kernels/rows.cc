@@ -22,10 +22,13 @@ inline void widen_pairs(const uint16_t* p, vf& even, vf& odd) {
   std::memcpy(&odd, &o, sizeof(odd));
 }
 
-// Asks for w's bytes further on into L2 (prefetcht2): the hardware prefetchers alone left a core's stream of w about
-// half as fast. The dots ask kAhead bytes ahead, the straight layout for the same columns of the next 4 rows.
+// Asks for w's element `offset` into L2 (prefetcht2): the hardware prefetchers alone left a core's stream of w about
+// half as fast. The dots ask kAhead bytes ahead, the straight layout for the same columns of the next 4 rows. Near w's
+// end that lies past it: the address is formed as an integer, and a prefetch never faults.
 constexpr int64_t kAhead = 8192;
-inline void ahead(const uint16_t* p) { __builtin_prefetch(p, 0, 1); }
+inline void ahead(const uint16_t* w, int64_t offset) {
+  __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(w) + 2 * offset), 0, 1);
+}
 
 inline float sum(vf x) {
   float s = 0;
@@ -53,7 +56,7 @@ void straight(const Problem& p, int64_t k0, int64_t count, float* sums) {
       vf even[4], odd[4];
       for (int i = 0; i < 4; ++i) {
         widen_pairs(row + i * p.n + j, even[i], odd[i]);
-        ahead(row + (i + 4) * p.n + j);  // the same columns of the next 4 rows
+        ahead(p.w, (k + i + 4) * p.n + j);  // the same columns of the next 4 rows
       }
       for (int64_t r = 0; r < p.m; ++r) {
         const float* a = p.x + r * p.k + k;
@@ -88,7 +91,7 @@ void dots(const Problem& p, int64_t n0, int64_t r0) {
   for (int64_t k = 0; k < full; k += kPair) {
     vf even[N], odd[N];
     for (int i = 0; i < N; ++i) widen_pairs(p.w + (n0 + i) * p.k + k, even[i], odd[i]);
-    for (int i = 0; i < N; ++i) ahead(p.w + (n0 + i) * p.k + k + kAhead / 2);
+    for (int i = 0; i < N; ++i) ahead(p.w, (n0 + i) * p.k + k + kAhead / 2);
     for (int r = 0; r < R; ++r) {
       const vf ae = load(p.x + (r0 + r) * p.k + k), ao = load(p.x + (r0 + r) * p.k + k + kLanes);
       for (int i = 0; i < N; ++i) acc[r][i] += ae * even[i] + ao * odd[i];
