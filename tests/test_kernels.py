@@ -136,9 +136,9 @@ def test_build_is_cached_and_a_missing_compiler_falls_back_with_a_warning(tmp_pa
 @pytest.mark.parametrize(
     "m, k, n, transposed",
     [
-        (1, 640, 2048, False),  # whole vectors of bf16 pairs, several column blocks
-        (1, 100, 1000, False),  # a row length with a remainder after the pairs, a last block of 8 columns
-        (3, 33, 70, False),
+        (1, 640, 2048, False),  # whole vectors of bf16 pairs, several blocks of rows
+        (1, 100, 1000, False),  # 8 columns left after the whole vectors of pairs
+        (3, 33, 70, False),  # a last block of one row
         (1, 640, 4099, True),  # a tied head: rows of w in fours and a remainder
         (2, 100, 37, True),
         (3, 17, 5, True),

@@ -64,7 +64,7 @@ def _cpu_signature() -> str:
 
 
 def _build(compiler: str) -> Path:
-    """The compiled library for this source, compiler, jaxlib and CPU, built once into the shared cache."""
+    """The compiled library for these sources, compiler, jaxlib and CPU, built once into the shared cache."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     flags = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC"]
     texts = [source.read_text() for source in SOURCES]
