@@ -30,6 +30,17 @@ inline void ahead(const uint16_t* w, int64_t offset) {
   __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(w) + 2 * offset), 0, 1);
 }
 
+// Where element i of a row lies when its first `full` elements (a multiple of kPair) are stored as w widens: each
+// kPair block even-indexed first.
+inline int64_t paired(int64_t i, int64_t full) {
+  return i < full ? i / kPair * kPair + i % 2 * kLanes + i % kPair / 2 : i;
+}
+
+// Items of a multiple of 4 rows of w, ~4 a thread
+inline int64_t rows_per_item(int64_t rows, int64_t threads) {
+  return std::max<int64_t>(4, (rows / (4 * threads) + 3) / 4 * 4);
+}
+
 inline float sum(vf x) {
   float s = 0;
   for (int i = 0; i < kLanes; ++i) s += x[i];
@@ -131,18 +142,17 @@ ffi::Error Rows(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi:
   const int64_t full = is_transposed ? p.k / kPair * kPair : 0;  // the dots take x de-interleaved, as w widens
   for (int64_t r = 0; r < p.m; ++r)
     for (int64_t k = 0; k < p.k; ++k)
-      x32[r * p.k + (k < full ? k / kPair * kPair + k % 2 * kLanes + k % kPair / 2 : k)] = widen(xs[r * p.k + k]);
+      x32[r * p.k + paired(k, full)] = widen(xs[r * p.k + k]);
   p.x = x32.data();
-  // ~4 items a thread, each a multiple of 4 rows of w
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   if (is_transposed) {
-    const int64_t per = std::max<int64_t>(4, (p.n / (4 * threads) + 3) / 4 * 4);
+    const int64_t per = rows_per_item(p.n, threads);
     const int64_t items = (p.n + per - 1) / per;
     parallel_for<None>(pool, items, [&p, per](int64_t i, None&) {
       transposed(p, i * per, std::min(per, p.n - i * per));
     });
   } else {  // items split w's rows; their partial sums are added after
-    const int64_t per = std::max<int64_t>(4, (p.k / (4 * threads) + 3) / 4 * 4);
+    const int64_t per = rows_per_item(p.k, threads);
     const int64_t items = (p.k + per - 1) / per, size = p.m * p.n;
     thread_local std::vector<float> partial;
     partial.assign(items * size, 0.0f);
@@ -150,10 +160,9 @@ ffi::Error Rows(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi:
     parallel_for<None>(pool, items, [&p, per, sums, size](int64_t i, None&) {
       straight(p, i * per, std::min(per, p.k - i * per), sums + i * size);
     });
-    const int64_t full = p.n / kPair * kPair;
     for (int64_t r = 0; r < p.m; ++r)
       for (int64_t j = 0; j < p.n; ++j) {
-        const int64_t at = r * p.n + (j < full ? j / kPair * kPair + j % 2 * kLanes + j % kPair / 2 : j);
+        const int64_t at = r * p.n + paired(j, p.n / kPair * kPair);
         float s = 0;
         for (int64_t i = 0; i < items; ++i) s += sums[i * size + at];
         p.out[r * p.n + j] = s;

@@ -65,7 +65,7 @@ def einsum(spec, lhs, rhs, *, dtype=None):
     inputs, out = spec.split("->")
     left, right = inputs.split(",")
     if jnp.bfloat16 in (lhs.dtype, rhs.dtype):
-        if _free_size(left, lhs, right) == 1 and (product := _row_product(spec, lhs, rhs)) is not None:
+        if _free_size(left, lhs, right) == 1 and (product := _row_product(left, right, out, lhs, rhs)) is not None:
             return product.astype(dtype)
         # XLA:CPU runs a bf16 dot whose operand has a single row (decoding one sequence, the last position's logits)
         # as a matrix-vector product that first converts the other operand to f32: a whole weight, cache or
@@ -82,18 +82,16 @@ def einsum(spec, lhs, rhs, *, dtype=None):
     return (y if natural == out else y.transpose([natural.index(c) for c in out])).astype(dtype)
 
 
-def _row_product(spec, x, w):
+def _row_product(left, right, out, x, w):
     """A single row `x` ("...k") times a matrix `w` ("kn" or "nk") by the CPU kernel (`kernels.row_product`: it reads
-    w once as stored, where XLA:CPU's bf16 kernel repacks it), shaped as the einsum's output; None where the spec is
-    another product or the kernel cannot take the operands."""
-    inputs, out = spec.split("->")
-    left, right = inputs.split(",")
-    contracted = left[-1]
-    if not (left.startswith("...") and len(right) == 2 and out == left[:-1] + right.replace(contracted, "")):
+    w once as stored, where XLA:CPU's bf16 kernel repacks it), shaped as the einsum's output; None where the spec
+    (`left`,`right`->`out`) is another product or the kernel cannot take the operands."""
+    contracted, row = left[-1], x.reshape(1, -1)
+    if not (left.startswith("...") and len(right) == 2 and contracted in right):
         return None
-    if contracted not in right or not kernels.rows_supported(x.reshape(1, -1), w):
+    if out != left[:-1] + right.replace(contracted, "") or not kernels.rows_supported(row, w):
         return None
-    y = kernels.row_product(x.reshape(1, -1), w, right[1] == contracted)
+    y = kernels.row_product(row, w, right[1] == contracted)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
