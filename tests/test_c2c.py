@@ -30,6 +30,7 @@ from mot_jax.export.torch_pipeline import CachePipeline
 from mot_jax.export.torch_translator import KVTranslator as TorchKVTranslator
 from mot_jax.jit import jit
 from mot_jax.models.generation import generate_from_cache, prefill
+from mot_jax.models.hooks import Forward
 from mot_jax.translate import align as alignment_lib
 from mot_jax.translate.config import TranslatorConfig
 from mot_jax.translate.kinds import c2c
@@ -119,7 +120,7 @@ def test_closed_gate_is_the_native_prefill_and_its_generation(random_pair):
     ids, mask = alignment_lib.encode_texts(target_tok, ["The cat sat on the mat.", "Hello world, again"])
     ids, mask = jnp.asarray(ids), jnp.asarray(mask)
     source_ids, source_mask, alignment = alignment_lib.align_batch(target_tok, source_tok, ids, mask)
-    _, source_cache, _ = source.run_layers(jnp.asarray(source_ids), jnp.asarray(source_mask))
+    source_cache = source.run_layers(Forward(jnp.asarray(source_ids), jnp.asarray(source_mask))).cache
     args = (translator, source, target, source_cache, alignment, ids, mask)
     suffix = jnp.asarray(target_tok.encode(" Question: who? Answer:").ids, jnp.int32)[None].repeat(2, 0)
     capacity = ids.shape[1] + suffix.shape[1] + 4
@@ -200,7 +201,7 @@ def test_torch_export_fuses_as_jax(random_pair, tmp_path):
     translator = c2c_translator(source, target)
     ids, mask = alignment_lib.encode_texts(target_tok, ["The cat sat on the mat.", "Hello world, again"])
     source_ids, source_mask, alignment = alignment_lib.align_batch(target_tok, source_tok, ids, mask)
-    _, source_cache, _ = source.run_layers(jnp.asarray(source_ids), jnp.asarray(source_mask))
+    source_cache = source.run_layers(Forward(jnp.asarray(source_ids), jnp.asarray(source_mask))).cache
     args = (translator, source, target, source_cache, alignment, jnp.asarray(ids), jnp.asarray(mask))
     cache, _ = translated(*args, capacity=ids.shape[1])
     _, native = prefill(target, jnp.asarray(ids), jnp.asarray(mask))

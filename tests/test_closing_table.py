@@ -6,6 +6,7 @@ import numpy as np
 from helpers import load_config, tiny_batch, tiny_config, trainer_for
 
 from mot_jax import progress
+from mot_jax.models.hooks import Forward
 from mot_jax.training import loop
 from mot_jax.training.report import closing_report, evaluation_table
 from mot_jax.training.setup import make_mesh
@@ -135,9 +136,8 @@ def test_the_tables_ce_is_minus_the_evaluations_gold_log_prob():
         rows = []
         for b in batches:
             size, length = b.context.shape
-            native = target.run_layers(
-                b.context, b.context_mask, cache=target.init_cache(size, length + b.prompt.shape[1] + 1), fresh=True
-            )[1]
+            cache = target.init_cache(size, length + b.prompt.shape[1] + 1)
+            native = target.run_layers(Forward(b.context, b.context_mask, fresh=True), cache).cache
             # the evaluation's gold log-prob: the labels as the answer, read after the prompt's first token
             first = np.ones((size, 1), bool)
             rows += list(np.asarray(choice_logprob(target, native, b.prompt[:, :1], first, b.labels, b.label_mask)))

@@ -23,6 +23,7 @@ from mot_jax.export import torch_translator
 from mot_jax.export.weights import export, translator_config, translator_tensors
 from mot_jax.jit import jit
 from mot_jax.models import tiny
+from mot_jax.models.hooks import Forward
 from mot_jax.models.registry import FAMILIES, build_model
 from mot_jax.translate import channels, kinds
 from mot_jax.translate.align import align_batch
@@ -175,7 +176,7 @@ def contexts(models):
         ids, mask = encode(target_tok, TEXTS)
         source_ids, source_mask, alignment = align_batch(target_tok, source_tok, ids, mask)
         assert source_ids.shape[1] != ids.shape[1]  # the tokenizers differ: a real cross-tokenizer alignment
-        cache = source.run_layers(jnp.asarray(source_ids), jnp.asarray(source_mask))[1]
+        cache = source.run_layers(Forward(jnp.asarray(source_ids), jnp.asarray(source_mask))).cache
         out[src, tgt] = cache, alignment, mask
     return out
 

@@ -13,6 +13,7 @@ from hf_reference import CONFIGS, padded_batch, positions_for, run_reference, sa
 from mot_jax.errors import MotJaxError
 from mot_jax.jit import jit
 from mot_jax.models.base import positions_from_mask
+from mot_jax.models.hooks import Forward, LayerInputs
 from mot_jax.models.loading import load_model
 from mot_jax.training import objective
 from mot_jax.translate.linear_skip import linear_skip_sums, solve_linear_skip
@@ -84,7 +85,8 @@ def test_a_translation_writing_the_native_layer_inputs_is_the_native_cache(rando
     ids, mask = jnp.asarray(batch.context), jnp.asarray(batch.context_mask)
     translator = direct_translator(source, target, native_bottom)
     assert translator.cfg.target_width == target.config.hidden_size
-    _, native, _, inputs = jax.jit(lambda ids, mask: target.run_layers(ids, mask, layer_inputs=True))(ids, mask)
+    run = jax.jit(lambda ids, mask: target.run_layers(Forward(ids, mask), hooks=[LayerInputs()]))(ids, mask)
+    native, inputs = run.cache, run.records["inputs"]
     window = inputs[jnp.asarray(translator.spec.target_layers)].transpose(1, 2, 0, 3)  # [B, T, W, D]
     translator.key, translator.value = Fixed(window), Fixed(window)
     source_cache, _ = source_prefill(source, jnp.asarray(batch.source_ids), jnp.asarray(batch.source_mask))
@@ -112,7 +114,7 @@ def test_the_least_squares_start_fits_the_normalised_native_layer_inputs(random_
 
     _, features = run_native_bottom(translator.spec, target, context, mask, target.init_cache(*context.shape))
     x = np.asarray(window_inputs(translator.spec, source, target, frozen[0], batch.alignment, features)[1])
-    inputs = target.run_layers(context, mask, layer_inputs=True)[3]
+    inputs = target.run_layers(Forward(context, mask), hooks=[LayerInputs()]).records["inputs"]
     want = np.asarray(rms_normalized(inputs[jnp.asarray(translator.spec.target_layers)].transpose(1, 2, 0, 3)))
     rows = np.asarray(mask).copy()
     rows[np.arange(len(rows)), np.argmax(rows, 1)] = False  # each row's first token is the target's own

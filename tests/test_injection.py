@@ -1,4 +1,5 @@
-"""The model-side hooks of MoT's replay: injected K/V, sparse top-k attention, the source's top-k attention."""
+"""The translator's hooks on a model's forward (`mot_jax.translate.hooks`): injected K/V, sparse top-k attention, the
+source's top-k attention."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -7,9 +8,10 @@ import torch
 from hf_reference import CONFIGS, padded_batch, positions_for, save_tiny
 
 from mot_jax.jit import jit
-from mot_jax.models.base import Injection
-from mot_jax.models.layers import attention
+from mot_jax.models.attention import Mask, attend
+from mot_jax.models.hooks import Forward
 from mot_jax.models.loading import load_model
+from mot_jax.translate.hooks import InjectKV, SparseKeys, TopKeys
 
 FAMILIES = [
     ("gpt2", "inverse_layer_scale"),
@@ -28,31 +30,32 @@ def pair(request, tmp_path_factory):
     return reference, load_model(str(path))[0]
 
 
-@jit(static_argnames=("topk",))
-def run_layers(model, ids, mask, injection=None, *, topk=0):
-    """`model.run_layers` as one program (run eagerly, every operation outside its layer scan compiles on its own)."""
-    return model.run_layers(ids, mask, injection=injection, topk=topk)
+@jit
+def run_layers(model, ids, mask, hooks=()):
+    """`model.run_layers` as one program (run eagerly, every operation outside its layer scan compiles on its own):
+    the cache and the source's top-k keys (None without `TopKeys`)."""
+    run = model.run_layers(Forward(ids, mask), hooks=hooks)
+    return run.cache, run.records.get("topk")
 
 
 def native(model):
     ids, mask = padded_batch(model.config.vocab_size)
     ids, mask = jnp.asarray(ids), jnp.asarray(mask)
-    _, cache, topk = run_layers(model, ids, mask, topk=3)
+    cache, topk = run_layers(model, ids, mask, [TopKeys(3)])
     return ids, mask, cache, topk
 
 
 def window_injection(cache, layers, scale=1.0):
     slot = np.full(cache.k.shape[0], -1, np.int32)
     slot[layers] = np.arange(len(layers))
-    k = cache.k[np.asarray(layers)] * scale
-    return Injection(k=k, v=cache.v[np.asarray(layers)] * scale, slot=jnp.asarray(slot))
+    return InjectKV(cache.k[np.asarray(layers)] * scale, cache.v[np.asarray(layers)] * scale, slot)
 
 
 def test_injecting_the_native_kv_reproduces_the_native_cache(pair):
     _, model = pair
     ids, mask, cache, _ = native(model)
     layers = list(range(1, model.config.num_layers))
-    _, replayed, _ = run_layers(model, ids, mask, window_injection(cache, layers))
+    replayed, _ = run_layers(model, ids, mask, [window_injection(cache, layers)])
     np.testing.assert_allclose(np.asarray(replayed.k), np.asarray(cache.k), atol=1e-5, rtol=0)
     np.testing.assert_allclose(np.asarray(replayed.v), np.asarray(cache.v), atol=1e-5, rtol=0)
 
@@ -60,7 +63,7 @@ def test_injecting_the_native_kv_reproduces_the_native_cache(pair):
 def test_injection_changes_only_the_layers_above_the_window(pair):
     _, model = pair
     ids, mask, cache, _ = native(model)
-    _, replayed, _ = run_layers(model, ids, mask, window_injection(cache, [1], scale=2.0))
+    replayed, _ = run_layers(model, ids, mask, [window_injection(cache, [1], scale=2.0)])
     # the window layer still caches its own K/V; the layers above read a changed residual stream
     np.testing.assert_allclose(np.asarray(replayed.k[:2]), np.asarray(cache.k[:2]), atol=1e-6, rtol=0)
     assert float(jnp.abs(replayed.k[2:] - cache.k[2:]).max()) > 1e-3
@@ -72,9 +75,8 @@ def test_sparse_replay_with_every_key_equals_dense_replay(pair):
     injection = window_injection(cache, [1], scale=1.5)
     layers, batch, length = model.config.num_layers, *ids.shape
     every_key = jnp.broadcast_to(jnp.arange(length), (layers, batch, length, length))
-    sparse = injection.replace(sparse_index=every_key, sparse=jnp.ones(layers, bool))
-    _, dense_cache, _ = run_layers(model, ids, mask, injection)
-    _, sparse_cache, _ = run_layers(model, ids, mask, sparse)
+    dense_cache, _ = run_layers(model, ids, mask, [injection])
+    sparse_cache, _ = run_layers(model, ids, mask, [injection, SparseKeys(every_key, jnp.ones(layers, bool))])
     np.testing.assert_allclose(np.asarray(sparse_cache.k), np.asarray(dense_cache.k), atol=1e-5, rtol=0)
 
 
@@ -104,7 +106,7 @@ def test_query_with_no_allowed_key_attends_to_itself():
     q, k, v = (jnp.asarray(rng.normal(size=s), jnp.float32) for s in [(1, 3, 2, 4), (1, 2, 3, 4), (1, 2, 3, 4)])
     pos = jnp.arange(3)[None]
     allowed = jnp.zeros((1, 3, 3), bool).at[0, 2, 0].set(True)  # queries 0 and 1 allowed nothing
-    out = np.asarray(attention(q, k, v, pos, pos, jnp.ones((1, 3), bool), scale=1.0, allowed=allowed))
+    out = np.asarray(attend(q, k, v, Mask(pos, pos, jnp.ones((1, 3), bool), allowed=allowed), scale=1.0))
     own = np.asarray(v).transpose(0, 2, 1, 3)  # [B, S, K, d]: query t alone sees its own value
     np.testing.assert_allclose(out[0, 0].reshape(2, 4), own[0, 0], atol=1e-6)
     np.testing.assert_allclose(out[0, 1].reshape(2, 4), own[0, 1], atol=1e-6)

@@ -19,6 +19,7 @@ from mot_jax.evals.methods import method_name
 from mot_jax.jit import jit
 from mot_jax.models import tiny
 from mot_jax.models.generation import generate_from_cache, prefill
+from mot_jax.models.hooks import Forward
 from mot_jax.translate import channels
 from mot_jax.translate.align import encode_texts, identity_alignment
 from mot_jax.translate.config import TranslatorConfig
@@ -188,7 +189,7 @@ class TokenEmbeddings(nnx.Module):
 
 @jit
 def latent_cache(model, ids, embeddings):
-    return model.run_layers(ids, embeddings=embeddings)[1]
+    return model.run_layers(Forward(ids, embeddings=embeddings)).cache
 
 
 @jit(static_argnames=("capacity",))

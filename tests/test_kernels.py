@@ -11,6 +11,7 @@ import pytest
 from mot_jax import kernels
 from mot_jax.jit import jit
 from mot_jax.models import layers, tiny
+from mot_jax.models.attention import Mask, attend
 from mot_jax.models.layers import GLOBAL_WINDOW
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler to build the kernels")
@@ -23,6 +24,11 @@ def inputs(rng, b, t, h, kv, s, d, *, offset, pad=0, dtype=jnp.float32):
     k_pos = jnp.tile(jnp.arange(s), (b, 1))
     k_valid = (k_pos < offset + t) & (k_pos >= jnp.arange(b)[:, None] * pad)  # row i: i * pad padding slots
     return q, k, v, q_pos, k_pos, k_valid
+
+
+def entry(q, k, v, q_pos, k_pos, k_valid, *, scale, window=GLOBAL_WINDOW, softcap=None):
+    """The models' attention entry (`attention.attend`): the kernel where it takes the operands."""
+    return attend(q, k, v, Mask(q_pos, k_pos, k_valid, window), scale=scale, softcap=softcap)
 
 
 def reference(q, k, v, q_pos, k_pos, k_valid, *, scale, window=GLOBAL_WINDOW, softcap=None):
@@ -59,7 +65,7 @@ def test_kernel_matches_xla_attention(case, dtype):
     args = inputs(np.random.default_rng(0), b, t, h, kv, s, d, offset=offset, pad=pad, dtype=dtype)
     options = dict(scale=d**-0.5, window=window or GLOBAL_WINDOW, softcap=softcap)
     assert kernels.supports(*args[:3], softcap)
-    fused = jax.jit(lambda *a: layers.attention(*a, **options))
+    fused = jax.jit(lambda *a: entry(*a, **options))
     assert "mot_jax_attention" in fused.lower(*args).as_text()
     got, want = (np.asarray(x, np.float32) for x in (fused(*args), reference(*args, **options)))
     if dtype == jnp.float32:
@@ -71,7 +77,7 @@ def test_kernel_matches_xla_attention(case, dtype):
 def test_query_that_sees_no_key_attends_uniformly_as_in_xla():
     q, k, v, q_pos, k_pos, k_valid = inputs(np.random.default_rng(1), 2, 20, 4, 2, 150, 16, offset=0)
     q_pos = q_pos.at[1, :5].set(-1)  # before every key: nothing visible
-    got = layers.attention(q, k, v, q_pos, k_pos, k_valid, scale=0.25)
+    got = entry(q, k, v, q_pos, k_pos, k_valid, scale=0.25)
     want = reference(q, k, v, q_pos, k_pos, k_valid, scale=0.25)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6)
     uniform = np.repeat(np.asarray(v[1]).mean(1), 2, axis=0).reshape(-1)  # 2 query heads a KV head
@@ -127,7 +133,7 @@ def test_build_is_cached_and_a_missing_compiler_falls_back_with_a_warning(tmp_pa
         q, k, v, *rest = inputs(np.random.default_rng(5), 1, 10, 2, 1, 10, 8, offset=0)
         assert not kernels.supports(q, k, v, None) and not kernels.rows_supported(q[0, 0].astype(jnp.bfloat16), q[0, 0])
         np.testing.assert_allclose(
-            np.asarray(layers.attention(q, k, v, *rest, scale=0.3)), np.asarray(reference(q, k, v, *rest, scale=0.3))
+            np.asarray(entry(q, k, v, *rest, scale=0.3)), np.asarray(reference(q, k, v, *rest, scale=0.3))
         )
     finally:
         kernels.available.cache_clear()

@@ -14,6 +14,7 @@ from flax import nnx
 from helpers import load_config, perturb, tiny_batch, whole_and_resumed
 
 from mot_jax.errors import MotJaxError
+from mot_jax.models.hooks import Forward
 from mot_jax.training import objective, setup
 from mot_jax.translate import align
 from mot_jax.translate.kinds import kv_prediction
@@ -67,7 +68,7 @@ def test_the_l1_term_is_the_per_layer_mean_absolute_error_over_valid_context_tok
     capacity = batch.context.shape[1] + batch.prompt.shape[1]
     args = (translator, pair.source, pair.target, read, batch.alignment, batch.context, batch.context_mask, topk)
     cache, _ = translate(*args, capacity=capacity)
-    _, native, _ = pair.target.run_layers(batch.context, batch.context_mask, fresh=True)
+    native = pair.target.run_layers(Forward(batch.context, batch.context_mask, fresh=True)).cache
     for name in ("k", "v"):
         got, want = getattr(cache, name), getattr(native, name)
         expected = numpy_l1(got, want, mask, native_bottom)

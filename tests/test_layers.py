@@ -12,8 +12,9 @@ from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from mot_jax import kernels
-from mot_jax.models import base, generation, tiny
-from mot_jax.models.layers import attention, param, rope_inv_freq
+from mot_jax.models import attention, generation, tiny
+from mot_jax.models.attention import Mask, attend
+from mot_jax.models.layers import param, rope_inv_freq
 from mot_jax.models.registry import FAMILIES, build_model
 
 
@@ -43,17 +44,8 @@ def test_attention_matches_closed_form_with_window_softcap_gqa_and_padding():
     k_valid = np.ones((b, s), bool)
     k_valid[1, :3] = False  # left padding in row 1
     q_pos = k_pos[:, -t:]
-    got = attention(
-        jnp.asarray(q),
-        jnp.asarray(k),
-        jnp.asarray(v),
-        jnp.asarray(q_pos),
-        jnp.asarray(k_pos),
-        jnp.asarray(k_valid),
-        scale=0.3,
-        window=3,
-        softcap=2.0,
-    )
+    mask = Mask(jnp.asarray(q_pos), jnp.asarray(k_pos), jnp.asarray(k_valid), window=3)
+    got = attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), mask, scale=0.3, softcap=2.0)
     want = naive_attention(q, k, v, q_pos, k_pos, k_valid, 0.3, 3, 2.0)
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-5)
 
@@ -61,7 +53,7 @@ def test_attention_matches_closed_form_with_window_softcap_gqa_and_padding():
 def test_query_with_no_visible_key_is_finite():
     q = jnp.ones((1, 1, 2, 4))
     k = v = jnp.ones((1, 2, 3, 4))
-    out = attention(q, k, v, jnp.zeros((1, 1), int), jnp.zeros((1, 3), int), jnp.zeros((1, 3), bool), scale=1.0)
+    out = attend(q, k, v, Mask(jnp.zeros((1, 1), int), jnp.zeros((1, 3), int), jnp.zeros((1, 3), bool)), scale=1.0)
     assert bool(jnp.isfinite(out).all())
 
 
@@ -108,7 +100,7 @@ def test_bfloat16_prefill_compiles_every_dot_on_bf16_operands_into_f32(family, m
     fast kernel refuses)."""
     config = tiny.hf_config(f"random:{family}")
     model = build_model(FAMILIES[config["model_type"]][0].config_from_hf(config), jnp.bfloat16)
-    monkeypatch.setattr(base, "PREFILL_BLOCK", 8)  # 16 tokens: two causal query blocks
+    monkeypatch.setattr(attention, "PREFILL_BLOCK", 8)  # 16 tokens: two causal query blocks
     monkeypatch.setattr(kernels, "available", lambda: False)
     jax.clear_caches()
     ids = jnp.ones((2, 16), jnp.int32)

@@ -226,14 +226,17 @@ def test_bfloat16_load_stays_close_to_fp32(pair):
 
 def test_blocked_prefill_equals_full_attention(pair, monkeypatch):
     """A fresh prefill in causal query blocks (skipping keys after each block) equals attending over all slots."""
-    from mot_jax.models import base
+    from mot_jax.models import attention
+    from mot_jax.models.hooks import Forward
+    from mot_jax.translate.hooks import TopKeys
 
     _, model, _ = pair
     ids, mask = padded_batch(model.config.vocab_size, seed=6)
-    ids, mask = jnp.asarray(ids), jnp.asarray(mask)
-    _, full, full_topk = model.run_layers(ids, mask, cache=model.init_cache(3, 12), topk=3)  # not known fresh
-    monkeypatch.setattr(base, "PREFILL_BLOCK", 5)  # 12 tokens: blocks of 5, 5 and 2 queries
-    hidden, blocked, blocked_topk = model.run_layers(ids, mask, topk=3)
+    forward = Forward(jnp.asarray(ids), jnp.asarray(mask))
+    full = model.run_layers(forward, model.init_cache(3, 12), [TopKeys(3)])  # not known fresh
+    monkeypatch.setattr(attention, "PREFILL_BLOCK", 5)  # 12 tokens: blocks of 5, 5 and 2 queries
+    blocked = model.run_layers(forward, hooks=[TopKeys(3)])
+    full, full_topk, blocked, blocked_topk = full.cache, full.records["topk"], blocked.cache, blocked.records["topk"]
     np.testing.assert_allclose(np.asarray(blocked.k), np.asarray(full.k), atol=1e-5, rtol=0)
     valid = np.asarray(mask, bool)
     np.testing.assert_array_equal(np.asarray(blocked_topk)[:, valid], np.asarray(full_topk)[:, valid])

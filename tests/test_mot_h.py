@@ -17,11 +17,12 @@ from mot_jax.evals import run
 from mot_jax.evals.methods import method_name
 from mot_jax.jit import jit
 from mot_jax.models import tiny
-from mot_jax.models.base import Injection
 from mot_jax.models.generation import generate_from_cache, prefill
+from mot_jax.models.hooks import Forward
 from mot_jax.translate import channels
 from mot_jax.translate.align import encode_texts, identity_alignment
 from mot_jax.translate.config import TranslatorConfig
+from mot_jax.translate.hooks import ReplaceLayerInputs
 from mot_jax.translate.mixture import MixtureOfTranslators
 from mot_jax.translate.pipeline import source_prefill, translate_jit
 from mot_jax.translate.spec import TranslationSpec
@@ -81,13 +82,13 @@ def test_reference_shapes_defaults_and_refusals():
 
 @jit
 def injected_cache(model, ids, hidden, slot):
-    return model.run_layers(ids, injection=Injection(k=None, v=None, slot=slot, hidden=hidden))[1]
+    return model.run_layers(Forward(ids), hooks=[ReplaceLayerInputs(hidden, slot)]).cache
 
 
 @pytest.mark.parametrize("name", ["random:llama", "random:gemma3"])
 def test_replaced_inputs_equal_transformers_forward_pre_hooks(name, tmp_path):
     """The reference's injection: forward pre-hooks hand the target's window layers other input hidden states inside
-    an ordinary transformers forward; every layer's cache equals mot_jax's `Injection(hidden=...)` within 1e-4."""
+    an ordinary transformers forward; every layer's cache equals mot_jax's `ReplaceLayerInputs` hook's within 1e-4."""
     model, hf, _ = hf_model(name, tmp_path)
     layers = model.config.num_layers
     window = (1, layers - 1)

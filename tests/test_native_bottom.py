@@ -10,6 +10,7 @@ from hf_reference import padded_batch, positions_for, run_reference
 
 from mot_jax.errors import MotJaxError
 from mot_jax.models.generation import prefill
+from mot_jax.models.hooks import Forward
 from mot_jax.translate import channels
 from mot_jax.translate.align import align_batch, identity_alignment
 from mot_jax.translate.pipeline import source_prefill, translate_jit
@@ -75,7 +76,7 @@ def test_bottom_layers_are_native_and_the_rest_translated(hf_pair, batch, bottom
             position_ids=torch.tensor(positions_for(np.asarray(mask))),
             output_hidden_states=True,
         )
-    hidden, _, _ = target.run_layers(ids, mask, stop=bottom)
+    hidden = target.run_layers(Forward(ids, mask, stop=bottom)).hidden
     np.testing.assert_allclose(
         np.asarray(hidden)[valid], out.hidden_states[bottom].numpy()[valid], atol=1e-4, rtol=1e-4
     )

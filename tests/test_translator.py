@@ -12,6 +12,7 @@ from mot_jax.errors import MotJaxError
 from mot_jax.models.base import first_valid_index
 from mot_jax.models.decoder import rope_table
 from mot_jax.models.gguf import load_tokenizer
+from mot_jax.models.hooks import Forward
 from mot_jax.models.layers import apply_rope
 from mot_jax.models.loading import load_model
 from mot_jax.translate import channels
@@ -77,7 +78,7 @@ def test_direct_cache_holds_the_translation_and_extends(hf_pair):
     np.testing.assert_array_equal(np.asarray(cache.valid[:, :10]), np.asarray(mask))
     np.testing.assert_array_equal(np.asarray(cache.positions[1, :7]), np.arange(7))
     # the first token attends only to itself: its K/V are the target's own (a native prefill's), the rest translated
-    _, native, _ = target.run_layers(ids, mask)
+    native = target.run_layers(Forward(ids, mask)).cache
     np.testing.assert_allclose(np.asarray(cache.k[:, :, :, 0]), np.asarray(native.k[:, :, :, 0]), atol=1e-6)
     np.testing.assert_allclose(np.asarray(cache.v[:, :, :, 0]), np.asarray(native.v[:, :, :, 0]), atol=1e-6)
     assert not np.allclose(np.asarray(cache.k[:, :, :, 1:7]), np.asarray(native.k[:, :, :, 1:7]), atol=1e-3)

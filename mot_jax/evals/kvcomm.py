@@ -29,19 +29,20 @@ pairs are refused (`check_pair`).
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 from mot_jax.errors import MotJaxError
 from mot_jax.evals.config import kvcomm_defaults as defaults
 from mot_jax.evals.methods import Method, kv_bytes
 from mot_jax.evals.prompts import token_ids
 from mot_jax.jit import jit
-from mot_jax.models.base import LayerCache, first_valid_index
+from mot_jax.models.base import first_valid_index
 from mot_jax.models.generation import prefill
-from mot_jax.models.layers import GLOBAL_WINDOW, attention_weights
+from mot_jax.models.hooks import Forward, LayerHook
+from mot_jax.models.layers import attention_weights
 
 # What must match for the target's attention to read the source's K/V as its own.
 MATCHING = ("family", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "vocab_size")
@@ -120,31 +121,27 @@ def select_layers(raw, top_layers: float, alpha: float, mu: float, sigma: float)
     )
 
 
-class _MassProbe(LayerCache):
-    """A layer's cache view that also records, per row, the attention mass of queries from `prefix` on of a fresh
-    prefill on its first `prefix` keys (summed over keys, averaged over heads and queries)."""
+@struct.dataclass
+class _MassProbe(LayerHook):
+    """Records per layer and row (`records["mass"]`) the attention mass of queries from `prefix` on of a fresh prefill
+    on its first `prefix` keys (summed over keys, averaged over heads and queries)."""
 
-    def __init__(self, *args, prefix: int):
-        super().__init__(*args)
-        self.prefix = prefix
+    prefix: int = struct.field(pytree_node=False)
 
-    def attend(self, q, k, v, *, scale, window=GLOBAL_WINDOW, softcap=None):
-        out = super().attend(q, k, v, scale=scale, window=window, softcap=softcap)
-        length = q.shape[1]
-        k_pos, k_valid = self.k_pos[:, :length], self.k_valid[:, :length]
+    def attention(self, read, layer, record):
+        m = read.mask
         probs = attention_weights(
-            q, k.transpose(0, 2, 1, 3), self.q_pos, k_pos, k_valid, scale=scale, window=window, softcap=softcap
+            read.q, read.k, m.q_pos, m.k_pos, m.k_valid, scale=read.scale, window=m.window, softcap=read.softcap
         )  # [B, K, G, T, T]
-        self.topk_indices = probs[..., self.prefix :, : self.prefix].sum(-1).mean(axis=(1, 2, 3))
-        return out
+        record.put("mass", probs[..., self.prefix :, : self.prefix].sum(-1).mean(axis=(1, 2, 3)))
+        return read
 
 
 @jit(static_argnames=("prefix",))
 def attention_mass(model, ids, *, prefix: int):
     """[L, B] per layer and row: the attention mass that queries `prefix..T-1` of `ids` [B, T] (no padding) put
     on keys `0..prefix-1`, summed over keys and averaged over heads and queries."""
-    _, _, mass = model.run_layers(ids, view=functools.partial(_MassProbe, prefix=prefix))[:3]
-    return mass
+    return model.run_layers(Forward(ids), hooks=[_MassProbe(prefix)]).records["mass"]
 
 
 def calibration_rows(tokenizer, texts, count: int, total_tokens: int, eos_id: int) -> np.ndarray:

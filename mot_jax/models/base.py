@@ -4,17 +4,18 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import nnx, struct
+from flax import nnx
 
-from mot_jax import kernels
+from mot_jax.models.attention import Mask, attend
 from mot_jax.models.cache import KVCache
-from mot_jax.models.layers import GLOBAL_WINDOW, attention, attention_weights, bf16_as_bits, bits_as_bf16, einsum
+from mot_jax.models.hooks import AttentionRead, Forward, LayerHook, LayerRecord, LayerRun
+from mot_jax.models.layers import GLOBAL_WINDOW, bf16_as_bits, bits_as_bf16
 
-PREFILL_BLOCK = 512  # query block of a prefill into an empty cache (causal blocks above the diagonal are skipped)
 # Families whose cached keys carry RoPE (decoder.RotaryLM); GPT-2 and OPT add learned position embeddings instead.
 ROTARY_FAMILIES = ("qwen2", "qwen3", "llama", "gemma3")
 
@@ -81,85 +82,40 @@ class ModelConfig:
         return () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
 
 
-@struct.dataclass
-class Injection:
-    """Per-layer changes to a prefill over T new tokens: MoT's replay of the target over its context.
-
-    A layer with `slot[l] >= 0` computes its own K/V (and caches them) but its attention reads the injected
-    `k[slot[l]]`, `v[slot[l]]` for the new tokens instead; or, with `hidden` (MoT-h; k and v None), the layer takes
-    `hidden[slot[l]]` as its input residual stream and runs on it as usual. A layer with `sparse[l]` lets each query
-    attend only to the keys listed in `sparse_index[l]` (token indices into the new tokens; out-of-range entries are
-    ignored).
-    """
-
-    k: jax.Array | None  # [W, B, K, T, d]
-    v: jax.Array | None  # [W, B, K, T, d]
-    slot: jax.Array  # [L] int32, -1 = not injected
-    sparse_index: jax.Array | None = None  # [L, B, T, k] int32
-    sparse: jax.Array | None = None  # [L] bool
-    hidden: jax.Array | None = None  # [W, B, T, D] the injected layers' input residual streams
-
-
 class LayerCache:
     """One layer's view of the cache inside the layer scan: a block calls `attend` with its new q, k, v.
 
-    It writes the new k, v into the full cache at (layer, index) and attends over every slot, reading injected
-    K/V and a sparse key set where an `Injection` says so; the updated cache arrays (and the head-averaged top-k
-    attention indices, when asked for) are read back after the block has run (trace-time bookkeeping only).
-    """
+    It writes the new k, v into the full cache at (layer, index), offers what the attention then reads to the hooks
+    (`hooks.AttentionRead`) and attends through the one entry, `attention.attend`; the updated cache arrays are read
+    back after the block has run (trace-time bookkeeping only)."""
 
-    def __init__(self, k_all, v_all, layer, index, q_pos, cache: KVCache, injection=None, topk=0, fresh=False):
-        self.k_all, self.v_all, self.layer, self.index = k_all, v_all, layer, index
+    def __init__(self, k_all, v_all, layer, cache: KVCache, q_pos, fresh, hooks=(), record=None):
+        self.k_all, self.v_all, self.layer, self.index = k_all, v_all, layer, cache.index
         self.q_pos, self.k_pos, self.k_valid = q_pos, cache.positions, cache.valid
-        if cache.hidden is not None:  # slots this layer does not see (KVComm)
+        if cache.hidden is not None:  # slots this layer does not see
             self.k_valid = self.k_valid & ~jax.lax.dynamic_index_in_dim(cache.hidden, layer, keepdims=False)
-        self.injection, self.topk, self.topk_indices = injection, topk, None
         self.fresh = fresh  # the cache was empty before these tokens (index 0, known when tracing)
+        self.hooks, self.record = hooks, record if record is not None else LayerRecord()
         self.rope = None  # this layer's RoPE cos and sin at q_pos, when the model computed them for every layer
 
     def attend(self, q, k, v, *, scale, window=GLOBAL_WINDOW, softcap=None):
         """q: [B, T, H, d], k/v: [B, T, K, d] for the new tokens; returns [B, T, H * d]."""
         self.write(k, v)
         length = q.shape[1]
-        if self.fresh:  # only the new tokens can be visible: attend over them, in causal blocks
-            k_layer, v_layer = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-            k_pos, k_valid, offset = self.k_pos[:, :length], self.k_valid[:, :length], 0
+        if self.fresh:  # only the new tokens can be visible: attend over them alone
+            keys, values, offset = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), 0
+            mask = Mask(self.q_pos, self.k_pos[:, :length], self.k_valid[:, :length], window, causal_prefill=True)
         else:
-            k_layer = jax.lax.dynamic_index_in_dim(self.k_all, self.layer, keepdims=False)
-            v_layer = jax.lax.dynamic_index_in_dim(self.v_all, self.layer, keepdims=False)
-            k_pos, k_valid, offset = self.k_pos, self.k_valid, self.index
-        allowed = None
-        if self.injection is not None:
-            k_layer, v_layer, allowed = self.injected(k_layer, v_layer, length, offset)
-        if allowed is None and not self.topk and kernels.supports(q, k_layer, v_layer, softcap):
-            return attention(
-                q, k_layer, v_layer, self.q_pos, k_pos, k_valid, scale=scale, window=window, softcap=softcap
-            )
-        # XLA's attention (no kernel, sparse keys or top-k indices asked for): query blocks of a fresh prefill skip
-        # the keys after their last query (all causally masked).
-        block = PREFILL_BLOCK if self.fresh and length > PREFILL_BLOCK else length
-        topk = min(self.topk, block)
-        outs, tops = [], []
-        for start in range(0, length, block):
-            stop = min(start + block, length)
-            keys = stop if self.fresh else k_layer.shape[2]
-            probs = attention_weights(
-                q[:, start:stop],
-                k_layer[:, :, :keys],
-                self.q_pos[:, start:stop],
-                k_pos[:, :keys],
-                k_valid[:, :keys],
-                scale=scale,
-                window=window,
-                softcap=softcap,
-                allowed=None if allowed is None else allowed[:, start:stop, :keys],
-            )
-            if topk:  # the keys this layer attends to most, averaged over heads: [B, block, topk]
-                tops.append(jax.lax.top_k(probs.mean(axis=(1, 2)), topk)[1].astype(jnp.int32))
-            outs.append(einsum("bkgts,bksd->btkgd", probs.astype(v_layer.dtype), v_layer[:, :, :keys]))
-        if topk:
-            self.topk_indices = jnp.concatenate(tops, axis=1)
-        return jnp.concatenate(outs, axis=1).reshape(*q.shape[:2], -1)
+            keys = jax.lax.dynamic_index_in_dim(self.k_all, self.layer, keepdims=False)
+            values = jax.lax.dynamic_index_in_dim(self.v_all, self.layer, keepdims=False)
+            mask, offset = Mask(self.q_pos, self.k_pos, self.k_valid, window), self.index
+        read = AttentionRead(q, keys, values, mask, scale, softcap, offset)
+        for hook in self.hooks:
+            read = hook.attention(read, self.layer, self.record)
+        on_weights = None
+        if read.on_weights:
+            on_weights = lambda *args: [f(*args) for f in read.on_weights]  # noqa: E731
+        return attend(read.q, read.k, read.v, read.mask, scale=read.scale, softcap=read.softcap, on_weights=on_weights)
 
     def write(self, k, v):
         """The new tokens' k, v [B, T, K, d] into this layer's slots [index, index + T)."""
@@ -167,39 +123,13 @@ class LayerCache:
         self.k_all = jax.lax.dynamic_update_slice(self.k_all, k.transpose(0, 2, 1, 3)[None], at)
         self.v_all = jax.lax.dynamic_update_slice(self.v_all, v.transpose(0, 2, 1, 3)[None], at)
 
-    def injected(self, k_layer, v_layer, length, offset):
-        """This layer's attention keys/values and allowed-key mask under the injection (new tokens at `offset`)."""
-        inj, layer_slot = self.injection, self.injection.slot
-        if inj.k is not None:
-            use = layer_slot >= 0
-            read = lambda a: jax.lax.dynamic_index_in_dim(a, jnp.maximum(layer_slot, 0), keepdims=False)
-            at = (0, 0, offset, 0)
-            k_layer = jnp.where(
-                use, jax.lax.dynamic_update_slice(k_layer, read(inj.k).astype(k_layer.dtype), at), k_layer
-            )
-            v_layer = jnp.where(
-                use, jax.lax.dynamic_update_slice(v_layer, read(inj.v).astype(v_layer.dtype), at), v_layer
-            )
-        if inj.sparse_index is None:
-            return k_layer, v_layer, None
-        b, capacity = k_layer.shape[0], k_layer.shape[2]
-        index = inj.sparse_index  # [B, T, k] token indices into the new tokens
-        slots = jnp.where((index >= 0) & (index < length), index + offset, capacity)
-        rows = jnp.arange(b)[:, None, None]
-        chosen = (
-            jnp.zeros((b, length, capacity), bool)
-            .at[rows, jnp.arange(length)[None, :, None], slots]
-            .set(True, mode="drop")
-        )
-        return k_layer, v_layer, chosen | ~inj.sparse
-
 
 class SlotCache(LayerCache):
     """A layer's view for tokens already in the cache (`CausalLM.rerun_slots`): their new k, v overwrite their own
     slots `slots` [B, n] (slots past the capacity are dropped) instead of being appended."""
 
     def __init__(self, k_all, v_all, layer, slots, q_pos, cache: KVCache):
-        super().__init__(k_all, v_all, layer, cache.index, q_pos, cache)
+        super().__init__(k_all, v_all, layer, cache, q_pos, fresh=False)
         self.slots = slots
 
     def write(self, k, v):
@@ -239,93 +169,65 @@ class CausalLM(nnx.Module):
 
     def hidden_states(self, input_ids, attention_mask=None, positions=None, cache=None, fresh=False, layers=None):
         """The final-normed hidden states [B, T, D] and the extended cache. `fresh=True` promises that `cache` is
-        empty (as `init_cache` returns it), which lets a long prefill skip causally masked key blocks. `layers`: see
-        `run_layers`."""
-        hidden, cache, _ = self.run_layers(input_ids, attention_mask, positions, cache, fresh=fresh, layers=layers)
-        return hidden, cache
+        empty (as `init_cache` returns it), which lets a long prefill skip causally masked key blocks. `layers`: each
+        layer's weights from `layer_params` (`Forward.weights`)."""
+        run = self.run_layers(Forward(input_ids, attention_mask, positions, weights=layers, fresh=fresh), cache)
+        return run.hidden, run.cache
 
     def layer_params(self) -> list:
-        """Each layer's parameters as arrays of their own, sliced from the stacked weights once, for `run_layers`'s
-        `layers`. The layer scan copies each layer's weights out of the stack on every pass, which in a loop of
-        single-token steps moves the whole model twice more per token than reading it; a loop that runs the layers
+        """Each layer's parameters as arrays of their own, sliced from the stacked weights once, for
+        `Forward.weights`. The layer scan copies each layer's weights out of the stack on every pass, which in a loop
+        of single-token steps moves the whole model twice more per token than reading it; a loop that runs the layers
         over these reads them where they lie. (bf16 weights are sliced as their bits: see `bf16_as_bits`.)"""
         _, stacked = nnx.split(self.layers)
         bits = bf16_as_bits(stacked)
         return [bits_as_bf16(jax.tree.map(lambda a, i=i: a[i], bits)) for i in range(self.config.num_layers)]
 
-    def run_layers(
-        self,
-        input_ids,
-        attention_mask=None,
-        positions=None,
-        cache=None,
-        injection=None,
-        topk=0,
-        fresh=False,
-        stop=None,
-        layer_inputs=False,
-        view=LayerCache,
-        embeddings=None,
-        layers=None,
-    ):
-        """`hidden_states` with an optional `Injection`, and with `topk > 0` also each layer's top-k attended keys
-        (head-averaged attention weights) as [L, B, T, topk] slot indices (else None). With `stop` only layers
-        `0..stop-1` run (the cache's other layers stay as they were) and the hidden states are their output, the
-        residual stream before layer `stop`, not final-normed. `layer_inputs=True` returns a fourth value: every
-        layer's input residual stream [L, B, T, D]. `view` is the class of each layer's view of the cache (a
-        `LayerCache`); what it leaves in `topk_indices` is stacked over layers and returned (a subclass may record
-        another per-layer statistic there: KVComm's calibration records attention mass). `embeddings` [B, T, E] replace
-        the token embeddings of `input_ids` (transformers' `inputs_embeds`, `token_embeddings`: Interlat's latents);
-        `input_ids` then give only the shape. `layers` (from `layer_params`, computed outside a loop over tokens)
-        runs the layers one after another in the program, each on its own arrays, instead of a scan over the stack."""
-        batch, length = input_ids.shape
-        mask = jnp.ones((batch, length), bool) if attention_mask is None else attention_mask.astype(bool)
+    def run_layers(self, forward: Forward, cache: KVCache | None = None, hooks: Sequence[LayerHook] = ()) -> LayerRun:
+        """The layers over `forward`'s new tokens after `cache` (None: a new one holding exactly them), each layer
+        offered to `hooks` (`mot_jax.models.hooks`): the hidden states, the extended cache and the hooks' records."""
+        batch, length = forward.shape
+        mask = jnp.ones((batch, length), bool) if forward.mask is None else forward.mask.astype(bool)
+        fresh = forward.fresh or cache is None
         if cache is None:
-            cache, fresh = self.init_cache(batch, length), True
+            cache = self.init_cache(batch, length)
+        positions = forward.positions
         if positions is None:
             positions = cache.next_positions()[:, None] + positions_from_mask(mask)
         cache = cache.append_slots(positions, mask)
-        x = self.embed(input_ids, positions) if embeddings is None else self.input_embeddings(embeddings, positions)
+        if forward.embeddings is None:
+            x = self.embed(forward.ids, positions)
+        else:
+            x = self.input_embeddings(forward.embeddings, positions)
 
         graphdef, stacked = nnx.split(self.layers)
         rope = self.rope_tables(positions)  # once, outside the layer loop
-        per_layer = None
-        if injection is not None:  # the injection's per-layer fields travel through the scan
-            per_layer = injection.replace(k=None, v=None, hidden=None)
 
         def body(carry, xs):
             x, k_all, v_all = carry
-            layer_params, layer, layer_injection = xs
-            layer_params = bits_as_bf16(layer_params)
-            if layer_injection is not None:
-                layer_injection = layer_injection.replace(k=injection.k, v=injection.v)
-                if injection.hidden is not None:  # MoT-h: an injected layer's input residual stream is replaced
-                    slot = layer_injection.slot
-                    replaced = jax.lax.dynamic_index_in_dim(injection.hidden, jnp.maximum(slot, 0), keepdims=False)
-                    x = jnp.where(slot >= 0, replaced.astype(x.dtype), x)
-            layer_cache = view(k_all, v_all, layer, cache.index, positions, cache, layer_injection, topk, fresh)
+            layer_params, layer = xs
+            record = LayerRecord()
+            for hook in hooks:
+                x = hook.layer_input(x, layer, record)
+            view = LayerCache(k_all, v_all, layer, cache, positions, fresh, hooks, record)
             if rope is not None:
-                kinds, cos, sin = rope
-                layer_cache.rope = (cos[kinds[layer]], sin[kinds[layer]])
-            inputs = x if layer_inputs else None
-            x = nnx.merge(graphdef, layer_params)(x, positions, layer, layer_cache)
-            return (x, layer_cache.k_all, layer_cache.v_all), (layer_cache.topk_indices, inputs)
+                which, cos, sin = rope
+                view.rope = (cos[which[layer]], sin[which[layer]])
+            x = nnx.merge(graphdef, bits_as_bf16(layer_params))(x, positions, layer, view)
+            return (x, view.k_all, view.v_all), record.values
 
-        xs = (bf16_as_bits(stacked), jnp.arange(self.config.num_layers), per_layer)
-        if stop is not None:
-            xs = jax.tree.map(lambda a: a[:stop], xs)
-        if layers is None:
-            (x, k, v), (topk_indices, inputs) = jax.lax.scan(body, (x, cache.k, cache.v), xs)
+        stop = self.config.num_layers if forward.stop is None else forward.stop
+        if forward.weights is None:
+            xs = jax.tree.map(lambda a: a[:stop], (bf16_as_bits(stacked), jnp.arange(self.config.num_layers)))
+            (x, k, v), records = jax.lax.scan(body, (x, cache.k, cache.v), xs)
         else:
             carry, ys = (x, cache.k, cache.v), []
-            for layer, params in enumerate(layers[:stop]):
-                own = jax.tree.map(lambda a, layer=layer: a[layer], per_layer)
-                carry, y = body(carry, (params, jnp.int32(layer), own))
+            for layer, params in enumerate(forward.weights[:stop]):
+                carry, y = body(carry, (params, jnp.int32(layer)))
                 ys.append(y)
-            (x, k, v), (topk_indices, inputs) = carry, jax.tree.map(lambda *a: jnp.stack(a), *ys)
+            (x, k, v), records = carry, jax.tree.map(lambda *a: jnp.stack(a), *ys)
         cache = cache.replace(k=k, v=v, index=cache.index + length)
-        out = (x if stop is not None else self.final_norm(x)), cache, topk_indices
-        return (*out, inputs) if layer_inputs else out
+        return LayerRun(x if forward.stop is not None else self.final_norm(x), cache, records)
 
     def rerun_slots(self, hidden, slots, cache: KVCache, start: int) -> KVCache:
         """`cache` with layers `start..L-1` rerun for the tokens it holds at `slots` [B, n], from their residual stream
@@ -346,8 +248,8 @@ class CausalLM(nnx.Module):
         return cache.replace(k=k, v=v)
 
     def rope_tables(self, positions):
-        """(each layer's index [L], cos [F, B, T, 1, d], sin) of the F distinct RoPEs at `positions` [B, T], or None
-        (no RoPE): computed once outside the layer loop (a rotary family overrides this)."""
+        """(each layer's index [L] into the tables, cos [F, B, T, 1, d], sin) of the F distinct RoPEs at `positions`
+        [B, T], or None (no RoPE): computed once outside the layer loop (a rotary family overrides this)."""
         return None
 
     def embed(self, ids, positions):

@@ -257,17 +257,9 @@ def attention_weights(q, k, q_pos, k_pos, k_valid, *, scale, window=GLOBAL_WINDO
     return jax.nn.softmax(logits, axis=-1)
 
 
-def attention(q, k, v, q_pos, k_pos, k_valid, *, scale, window=GLOBAL_WINDOW, softcap=None, allowed=None):
-    """`attention_weights` applied to v [B, K, S, d]; returns [B, T, H * d]. On CPU it runs as one fused kernel
-    (`mot_jax.kernels`) where it can (no `allowed` mask, a dtype it takes), with the same result."""
-    reference = functools.partial(attention_reference, softcap=softcap, allowed=allowed)
-    if allowed is None and kernels.supports(q, k, v, softcap):
-        return kernels.attention(q, k, v, q_pos, k_pos, k_valid, window, scale, softcap=softcap, reference=reference)
-    return reference(q, k, v, q_pos, k_pos, k_valid, window, scale)
-
-
 def attention_reference(q, k, v, q_pos, k_pos, k_valid, window, scale, *, softcap, allowed):
-    """`attention` through XLA: the softmax weights materialised (also the kernel's gradient)."""
+    """`attention_weights` applied to v [B, K, S, d], [B, T, H * d]: attention through XLA in one block (the CPU
+    kernel's gradient; the models' entry is `mot_jax.models.attention.attend`)."""
     probs = attention_weights(q, k, q_pos, k_pos, k_valid, scale=scale, window=window, softcap=softcap, allowed=allowed)
     out = einsum("bkgts,bksd->btkgd", probs.astype(v.dtype), v)
     return out.reshape(*q.shape[:2], -1)

@@ -54,9 +54,9 @@ import jax.numpy as jnp
 from flax import struct
 
 from mot_jax.errors import MotJaxError
-from mot_jax.models.base import LayerCache
+from mot_jax.models.attention import Mask, attend
 from mot_jax.models.cache import KVCache
-from mot_jax.models.layers import GLOBAL_WINDOW, attention
+from mot_jax.models.hooks import Forward, LayerHook
 from mot_jax.translate import kinds
 from mot_jax.translate.translator import source_read, translate
 
@@ -107,17 +107,21 @@ class NativeReads:
         return self.replace(queries=top(self.queries), scale=top(self.scale), window=top(self.window), cache=cache)
 
 
-class QueryProbe(LayerCache):
-    """A layer's cache view that also records the queries, scale and window its layer attends with."""
+@struct.dataclass
+class QueryProbe(LayerHook):
+    """Records the queries, scale and window each layer attends with (`records["queries"]`, `"scale"`, `"window"`)."""
 
-    def attend(self, q, k, v, *, scale, window=GLOBAL_WINDOW, softcap=None):
-        self.topk_indices = (q, jnp.asarray(scale, jnp.float32), jnp.asarray(window, jnp.int32))
-        return super().attend(q, k, v, scale=scale, window=window, softcap=softcap)
+    def attention(self, read, layer, record):
+        record.put("queries", read.q)
+        record.put("scale", jnp.asarray(read.scale, jnp.float32))
+        record.put("window", jnp.asarray(read.mask.window, jnp.int32))
+        return read
 
 
 def layer_reads(model, ids, mask=None, cache=None) -> NativeReads:
     """`NativeReads` of `model` reading `ids` [B, T] (padding per `mask`) after `cache` (None: a fresh one)."""
-    _, cache, (queries, scale, window) = model.run_layers(ids, mask, cache=cache, view=QueryProbe)
+    run = model.run_layers(Forward(ids, mask), cache, [QueryProbe()])
+    cache, queries, scale, window = run.cache, run.records["queries"], run.records["scale"], run.records["window"]
     length = ids.shape[1]
     new = lambda a: jax.lax.dynamic_slice_in_dim(a, cache.index - length, length, axis=1)  # the T slots just written
     return NativeReads(queries, scale, window, new(cache.positions), new(cache.valid), cache)
@@ -129,7 +133,7 @@ def read_outputs(reads: NativeReads, k, v, softcap=None):
 
     def one(q, k, v, scale, window):
         c = reads.cache
-        return attention(q, k, v, reads.positions, c.positions, c.valid, scale=scale, window=window, softcap=softcap)
+        return attend(q, k, v, Mask(reads.positions, c.positions, c.valid, window), scale=scale, softcap=softcap)
 
     f32 = lambda x: x.astype(jnp.float32)
     return jax.vmap(one)(f32(reads.queries), f32(k), f32(v), reads.scale, reads.window)
@@ -152,7 +156,7 @@ def frozen_forwards(source, target, batch, topk: int, reads=False, layer_inputs=
     (the attention term's)."""
     args = (batch.source_ids, batch.source_mask, topk, layer_inputs, last_hidden)
     source_cache, source_topk = source_read(source, *args)
-    _, native, _ = target.run_layers(batch.context, batch.context_mask, fresh=True)
+    native = target.run_layers(Forward(batch.context, batch.context_mask, fresh=True)).cache
     if not reads:
         return source_cache, source_topk, native
     capacity = batch.context.shape[1] + batch.prompt.shape[1]

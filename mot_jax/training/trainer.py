@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from mot_jax import sharding
 from mot_jax.errors import MotJaxError
+from mot_jax.models.hooks import Forward
 from mot_jax.models.registry import resolve_dtype
 from mot_jax.progress import metered
 from mot_jax.training import data, objective
@@ -120,9 +121,8 @@ class Trainer:
         _, _, target = self._models(params, llm_states)
         batch_size, context_length = batch.context.shape
         capacity = context_length + batch.prompt.shape[1]
-        _, native, _ = target.run_layers(
-            batch.context, batch.context_mask, cache=target.init_cache(batch_size, capacity), fresh=True
-        )
+        context = Forward(batch.context, batch.context_mask, fresh=True)
+        native = target.run_layers(context, target.init_cache(batch_size, capacity)).cache
         return dict(
             no_context=objective.prompt_cross_entropy(target, None, batch),
             native=objective.prompt_cross_entropy(target, native, batch),

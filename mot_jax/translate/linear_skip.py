@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mot_jax.models.base import CausalLM, first_valid_index, positions_from_mask
+from mot_jax.models.hooks import Forward, LayerInputs
 from mot_jax.translate.translator import KVTranslator
 from mot_jax.translate.window import (
     join_shared,
@@ -38,7 +39,8 @@ def linear_skip_sums(
     _, features = run_native_bottom(spec, target, target_ids, mask, target.init_cache(*target_ids.shape))
     *own, shared = window_parts(spec, source, target, source_cache, alignment, features)
     if spec.outputs == "hidden":  # the window layers' native inputs, RMS-normalised (their norms ignore the scale)
-        every = target.run_layers(target_ids, mask, stop=max(spec.target_layers) + 1, layer_inputs=True)[3]
+        below = Forward(target_ids, mask, stop=max(spec.target_layers) + 1)
+        every = target.run_layers(below, hooks=[LayerInputs()]).records["inputs"]
         layer_input = rms_normalized(every[jnp.asarray(spec.target_layers)].transpose(1, 2, 0, 3))
         wanted = (layer_input, layer_input)
     else:

@@ -39,10 +39,12 @@ import numpy as np
 from flax import nnx
 
 from mot_jax.errors import MotJaxError
-from mot_jax.models.base import CausalLM, Injection, first_valid_index, positions_from_mask
+from mot_jax.models.base import CausalLM, first_valid_index, positions_from_mask
+from mot_jax.models.hooks import Forward, LayerInputs
 from mot_jax.models.layers import einsum, param
 from mot_jax.translate import kinds
 from mot_jax.translate.config import TranslatorConfig
+from mot_jax.translate.hooks import InjectKV, SparseKeys, TopKeys
 from mot_jax.translate.spec import TranslationSpec
 from mot_jax.translate.window import join_shared, target_side, translate_window
 
@@ -119,14 +121,16 @@ def source_read(source: CausalLM, source_ids, source_mask, topk=0, layer_inputs=
     every layer's input residual stream [Ls, B, S, D] as one head of width D, and V nothing (width 0), so that
     batching, the alignment and `window_block` take the streams as they take K. `last_hidden` (`spec.last_hidden`,
     Interlat's): so does the last layer's final-normed output [1, B, 1, S, E], one layer."""
-    hidden, cache, indices, *inputs = source.run_layers(source_ids, source_mask, topk=topk, layer_inputs=layer_inputs)
+    hooks = ([TopKeys(topk)] if topk else []) + ([LayerInputs()] if layer_inputs else [])
+    run = source.run_layers(Forward(source_ids, source_mask), hooks=hooks)
+    cache = run.cache
     if last_hidden:
-        states = hidden[None, :, None].astype(cache.k.dtype)  # [1, B, 1, S, E]
+        states = run.hidden[None, :, None].astype(cache.k.dtype)  # [1, B, 1, S, E]
         cache = cache.replace(k=states, v=states[..., :0])
     if layer_inputs:
-        streams = inputs[0][:, :, None].astype(cache.k.dtype)  # [Ls, B, 1, S, D]
+        streams = run.records["inputs"][:, :, None].astype(cache.k.dtype)  # [Ls, B, 1, S, D]
         cache = cache.replace(k=streams, v=streams[..., :0])
-    return cache, indices
+    return cache, run.records.get("topk")
 
 
 def sparse_indices(spec: TranslationSpec, source_topk, alignment, first):
@@ -193,11 +197,10 @@ def translate(
         ), aux
     slot = np.full(target.config.num_layers, -1, np.int32)
     slot[list(spec.target_layers)] = np.arange(len(spec.target_layers))
-    injection = Injection(k=k, v=v, slot=jnp.asarray(slot))
+    hooks = [InjectKV(k, v, slot)]
     if spec.sparse_attention:
         if source_topk is None:
             raise MotJaxError("Sparse replay needs the source's attention top-k indices; pass source_topk.")
         sparse = np.arange(target.config.num_layers) >= spec.dense_bottom
-        injection = injection.replace(sparse_index=sparse_indices(spec, source_topk, alignment, first), sparse=sparse)
-    _, cache, _ = target.run_layers(target_ids, mask, cache=cache, injection=injection, fresh=True)
-    return cache, aux
+        hooks.append(SparseKeys(sparse_indices(spec, source_topk, alignment, first), sparse))
+    return target.run_layers(Forward(target_ids, mask, fresh=True), cache, hooks).cache, aux

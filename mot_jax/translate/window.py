@@ -15,6 +15,7 @@ from flax import struct
 from mot_jax.errors import MotJaxError
 from mot_jax.models import decoder
 from mot_jax.models.base import CausalLM, first_valid_index, positions_from_mask
+from mot_jax.models.hooks import Forward
 from mot_jax.models.layers import apply_rope
 from mot_jax.translate import align as alignment_lib
 
@@ -60,7 +61,7 @@ def first_token_kv(target: CausalLM, target_ids, first, layers):
     """The target's own K/V at `layers` of each row's first token (at index `first` [B]), each [W, B, Kt, 1, dt].
     The first token attends only to itself, so its K/V depend on that token alone (a BOS: the attention sink every
     later token reads) and are computed exactly, not translated."""
-    _, cache, _ = target.run_layers(target_ids[jnp.arange(target_ids.shape[0]), first][:, None])
+    cache = target.run_layers(Forward(target_ids[jnp.arange(target_ids.shape[0]), first][:, None])).cache
     pick = jnp.asarray(layers)
     return cache.k[pick], cache.v[pick]
 
@@ -83,8 +84,8 @@ def bottom_run(target: CausalLM, target_ids, mask, native_bottom: int, cache):
     """The target's own layers `0..native_bottom-1` over the context into `cache` (empty): (the cache, the residual
     stream after them [B, T, D]; None when native_bottom = 0)."""
     if native_bottom:
-        hidden, cache, _ = target.run_layers(target_ids, mask, cache=cache, fresh=True, stop=native_bottom)
-        return cache, hidden
+        run = target.run_layers(Forward(target_ids, mask, fresh=True, stop=native_bottom), cache)
+        return run.cache, run.hidden
     return cache.append_slots(positions_from_mask(mask), mask), None
 
 

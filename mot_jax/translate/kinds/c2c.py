@@ -46,6 +46,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mot_jax.errors import MotJaxError
+from mot_jax.models.hooks import Forward
 from mot_jax.models.layers import LayerNorm, Linear
 from mot_jax.translate import channels
 from mot_jax.translate.expert import EPS, CrossAttentionBlocks, chain, gelu, output_head, torch_std
@@ -171,7 +172,7 @@ def fuse_receiver(translator, source, target, source_cache, alignment, target_id
     spec, t = translator.spec, target.config
     batch, length = target_ids.shape
     if receiver is None:
-        _, receiver, _ = target.run_layers(target_ids, mask, cache=target.init_cache(batch, capacity), fresh=True)
+        receiver = target.run_layers(Forward(target_ids, mask, fresh=True), target.init_cache(batch, capacity)).cache
     cache = receiver.with_capacity(capacity)
     own = lambda kv: window_block(kv[..., :length, :], spec.target_layers)  # [B, T, W, Kt * dt]
     k, v, aux = fuse(

@@ -54,6 +54,7 @@ from flax import nnx
 
 from mot_jax.errors import MotJaxError
 from mot_jax.models.base import first_valid_index
+from mot_jax.models.hooks import Forward
 from mot_jax.models.layers import MASK_VALUE, LayerNorm, Linear, einsum
 from mot_jax.translate import align as alignment_lib
 from mot_jax.translate.expert import EPS, gelu, torch_std
@@ -197,10 +198,8 @@ def embed_latents(translator, source, target, source_cache, alignment, target_id
     own = target.token_embeddings(target_ids)
     latents = translator.adapter(hidden, mask, noise).astype(own.dtype)  # [B, T, Et]
     is_first = (jnp.arange(length) == first_valid_index(mask)[:, None])[..., None]
-    cache = target.init_cache(batch, capacity)
-    embeddings = jnp.where(is_first, own, latents)
-    _, cache, _ = target.run_layers(target_ids, mask, cache=cache, fresh=True, embeddings=embeddings)
-    return cache, {}
+    forward = Forward(target_ids, mask, embeddings=jnp.where(is_first, own, latents), fresh=True)
+    return target.run_layers(forward, target.init_cache(batch, capacity)).cache, {}
 
 
 def extra_loss(*, translated, target, batch, source_cache, noise, logits, teacher, **_):

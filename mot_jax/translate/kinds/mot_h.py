@@ -7,8 +7,8 @@ Reference section 7 (`mot-h`), checked against the MoT authors' `alg/mot-h/train
 - the module: one mixture of the paper's cross-layer window translators (`MixtureOfTranslators`, the same sizes and
   routing as MoT's), Ds -> Dt per window layer, held as `KVTranslator.hidden` (one, not a K and a V mixture);
 - the injection: an ordinary dense forward of the target over its context in which each window layer's input
-  residual stream is replaced by its translation (the reference's forward pre-hooks; `Injection.hidden`); every
-  layer's cache, the window's included, is the target's own K/V of that forward, and is what generation reads;
+  residual stream is replaced by its translation (the reference's forward pre-hooks; `hooks.ReplaceLayerInputs`);
+  every layer's cache, the window's included, is the target's own K/V of that forward, and is what generation reads;
 - the loss: MoT's, the prompt CE plus the Context Correction MSE over the layers from the window's first to the top.
 
 The window is MoT's channel map (`mode="replay"`); the target attends densely, as in the reference's ordinary
@@ -28,8 +28,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from mot_jax.errors import MotJaxError
-from mot_jax.models.base import Injection, first_valid_index
+from mot_jax.models.base import first_valid_index
+from mot_jax.models.hooks import Forward, LayerInputs
 from mot_jax.translate import align as alignment_lib
+from mot_jax.translate.hooks import ReplaceLayerInputs
 from mot_jax.translate.kinds import Kind, register
 from mot_jax.translate.mixture import MixtureOfTranslators
 from mot_jax.translate.window import window_block
@@ -63,14 +65,14 @@ def replace_inputs(translator, source, target, source_cache, alignment, target_i
     streams = alignment_lib.resample(window_block(source_cache.k, spec.source_layers), alignment.weights)
     hidden, aux = translator.hidden(streams, mask)  # [B, T, W, Dt]
     first = first_valid_index(mask)
-    *_, own = target.run_layers(target_ids[jnp.arange(batch), first][:, None], layer_inputs=True)  # [Lt, B, 1, Dt]
+    firsts = Forward(target_ids[jnp.arange(batch), first][:, None])
+    own = target.run_layers(firsts, hooks=[LayerInputs()]).records["inputs"]  # [Lt, B, 1, Dt]
     is_first = (jnp.arange(length) == first[:, None])[None, :, :, None]  # [1, B, T, 1]
     hidden = jnp.where(is_first, own[jnp.asarray(spec.target_layers)], hidden.transpose(2, 0, 1, 3))
     slot = np.full(target.config.num_layers, -1, np.int32)
     slot[list(spec.target_layers)] = np.arange(len(spec.target_layers))
-    injection = Injection(k=None, v=None, slot=jnp.asarray(slot), hidden=hidden)
-    cache = target.init_cache(batch, capacity)
-    _, cache, _ = target.run_layers(target_ids, mask, cache=cache, injection=injection, fresh=True)
+    forward = Forward(target_ids, mask, fresh=True)
+    cache = target.run_layers(forward, target.init_cache(batch, capacity), [ReplaceLayerInputs(hidden, slot)]).cache
     return cache, {"hidden": aux}
 
 
