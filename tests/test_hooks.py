@@ -1,0 +1,84 @@
+"""The model layer's forward API (`mot_jax.models.hooks`) and its one attention entry (`mot_jax.models.attention`):
+what hooks see and record, whichever way the layers run, and which implementation the entry picks."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import struct
+
+from mot_jax import kernels
+from mot_jax.models import attention
+from mot_jax.models.attention import Mask
+from mot_jax.models.hooks import Forward, LayerHook, LayerInputs
+from mot_jax.models.loading import load_model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model("random:llama")[0]
+
+
+@struct.dataclass
+class ScaleValues(LayerHook):
+    """Doubles the values every layer's attention reads and records the keys' sum."""
+
+    def attention(self, read, layer, record):
+        record.put("key_sum", read.k.sum())
+        return read.replace(v=read.v * 2.0)
+
+
+def test_records_stack_over_the_layers_that_ran_in_the_scan_and_over_per_layer_weights(model):
+    ids = jax.random.randint(jax.random.key(0), (2, 7), 3, model.config.vocab_size)
+    forward = Forward(ids, stop=3)
+    scanned = model.run_layers(forward, hooks=[LayerInputs(), ScaleValues()])
+    unrolled = model.run_layers(forward.replace(weights=model.layer_params()), hooks=[LayerInputs(), ScaleValues()])
+    assert scanned.records["inputs"].shape == (3, 2, 7, model.config.hidden_size)
+    assert scanned.records["key_sum"].shape == (3,)
+    for name in ("inputs", "key_sum"):
+        np.testing.assert_allclose(unrolled.records[name], scanned.records[name], rtol=1e-6, atol=1e-6)
+    # layer 0's input is the token embeddings; the stream before layer 3 is the hidden state returned with stop=3
+    np.testing.assert_array_equal(scanned.records["inputs"][0], model.embed(ids, jnp.tile(jnp.arange(7), (2, 1))))
+    plain = model.run_layers(forward)
+    assert plain.records == {}
+    # the changed values change the layers above the first, not the first layer's own K/V (written before the read)
+    np.testing.assert_array_equal(scanned.cache.k[0], plain.cache.k[0])
+    assert not np.allclose(scanned.cache.k[1], plain.cache.k[1])
+    np.testing.assert_array_equal(scanned.cache.k[3:], plain.cache.k[3:])  # layers above stop never ran: still zeros
+
+
+def operands(dtype=jnp.float32):
+    q = jnp.ones((1, 4, 2, 8), dtype)
+    k = v = jnp.ones((1, 1, 4, 8), dtype)
+    pos = jnp.arange(4)[None]
+    return q, k, v, Mask(pos, pos, jnp.ones((1, 4), bool))
+
+
+def test_the_entry_picks_the_cpu_kernel_only_on_the_cpu_and_where_nothing_needs_the_weights(monkeypatch):
+    q, k, v, mask = operands()
+    monkeypatch.setattr(kernels, "supports", lambda *a: True)
+    assert attention.implementation(q, k, v, mask) == "cpu_kernel"
+    assert attention.implementation(q, k, v, mask, needs_weights=True) == "xla"
+    chosen = mask.replace(allowed=jnp.ones((1, 4, 4), bool))
+    assert attention.implementation(q, k, v, chosen) == "xla"
+    for backend in ("gpu", "tpu"):  # the accelerators' slots are not filled yet: XLA's path, never the CPU kernel
+        monkeypatch.setattr(jax, "default_backend", lambda backend=backend: backend)
+        assert attention.implementation(q, k, v, mask) == "xla"
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    monkeypatch.setattr(kernels, "supports", lambda *a: False)
+    assert attention.implementation(q, k, v, mask) == "xla"
+
+
+def test_the_entry_hands_each_query_blocks_weights_to_the_caller(monkeypatch):
+    """Blocks of a causal prefill each read the keys up to their last query; their weights are the full softmax's
+    rows (closed form: all-equal logits give each query 1 / (its visible keys))."""
+    monkeypatch.setattr(attention, "PREFILL_BLOCK", 2)
+    q, k, v, mask = operands()
+    seen = []
+    out = attention.attend(
+        q, k, v, mask.replace(causal_prefill=True), scale=1.0, on_weights=lambda p, s, b: seen.append((s, p))
+    )
+    assert [s for s, _ in seen] == [0, 2] and [p.shape[-1] for _, p in seen] == [2, 4]
+    weights = np.concatenate([np.pad(p, [(0, 0)] * 4 + [(0, 4 - p.shape[-1])]) for _, p in seen], axis=3)[0, 0, 0]
+    np.testing.assert_allclose(weights, np.tril(np.ones((4, 4))) / np.arange(1, 5)[:, None], rtol=1e-6)
+    np.testing.assert_allclose(out, np.ones((1, 4, 16)), rtol=1e-6)
