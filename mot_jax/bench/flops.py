@@ -1,5 +1,5 @@
-"""What the compute bounds of the bench parts share: the matmul FLOPs of a forward in closed form, and the machine's
-matmul rate measured in the run.
+"""What the compute bounds of the bench parts share: the matmul FLOPs of a forward in closed form and of any traced
+program (its jaxpr), and the machine's matmul rate measured in the run.
 
 The FLOPs are counted as a perfect kernel would do them: on the real tokens, causally (no padding, no masked keys),
 2 per multiply-add, matmuls only (norms, softmax and activations are left out). The rate is that of one square matmul
@@ -8,6 +8,7 @@ in the dtype, the way the models run theirs (`layers.einsum`: bf16 operands accu
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 
@@ -44,6 +45,32 @@ def forward_flops(cfg, new: int, past: int = 0, logits: int = 1) -> int:
 def prefill_flops(cfg, tokens: int, batch: int = 1) -> int:
     """FLOPs of `bench models`' prefill: `batch` rows of `tokens` into an empty cache, the last position's logits."""
     return batch * forward_flops(cfg, tokens)
+
+
+def matmul_flops(jaxpr) -> float:
+    """2*M*N*K of every dot_general in a jaxpr, loop bodies times their trip count (scan; a while loop's body
+    counts once). XLA's `cost_analysis()` counts every loop body once, and the models run their layers in a scan."""
+    total = 0.0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            (contract, _), _ = eqn.params["dimension_numbers"]
+            lhs = eqn.invars[0].aval.shape
+            total += 2 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[d] for d in contract)
+        inner = [matmul_flops(j) for value in eqn.params.values() for j in _jaxprs(value)]
+        if inner:
+            trips = eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1
+            total += trips * (max(inner) if eqn.primitive.name == "cond" else sum(inner))
+    return total
+
+
+def _jaxprs(value):
+    if hasattr(value, "eqns"):
+        yield value
+    elif hasattr(getattr(value, "jaxpr", None), "eqns"):  # a closed jaxpr
+        yield value.jaxpr
+    elif isinstance(value, tuple | list):
+        for v in value:
+            yield from _jaxprs(v)
 
 
 def matmul_rate(size: int, dtype: str, runs: int) -> float:

@@ -3,11 +3,11 @@
 # ruff: noqa: B023  (the timing closures below run inside the loop iteration that defines them)
 from __future__ import annotations
 
-import math
 import statistics
 import time
 
 from mot_jax.bench.common import EXPERIMENT, Plan, Section, Table, load_experiment, log, median_time
+from mot_jax.bench.flops import matmul_flops
 
 # bf16 dense peak FLOP/s per chip, matched (first hit) as a substring of jax.devices()[0].device_kind
 PEAK_FLOPS = (
@@ -20,32 +20,6 @@ PEAK_FLOPS = (
     ("TPU v5", 459e12),
     ("TPU v4", 275e12),
 )
-
-
-def matmul_flops(jaxpr) -> float:
-    """2*M*N*K of every dot_general in a jaxpr, loop bodies times their trip count (scan; a while loop's body
-    counts once). XLA's `cost_analysis()` counts every loop body once, and the models run their layers in a scan."""
-    total = 0.0
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
-            (contract, _), _ = eqn.params["dimension_numbers"]
-            lhs = eqn.invars[0].aval.shape
-            total += 2 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[d] for d in contract)
-        inner = [matmul_flops(j) for value in eqn.params.values() for j in _jaxprs(value)]
-        if inner:
-            trips = eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1
-            total += trips * (max(inner) if eqn.primitive.name == "cond" else sum(inner))
-    return total
-
-
-def _jaxprs(value):
-    if hasattr(value, "eqns"):
-        yield value
-    elif hasattr(getattr(value, "jaxpr", None), "eqns"):  # a closed jaxpr
-        yield value.jaxpr
-    elif isinstance(value, tuple | list):
-        for v in value:
-            yield from _jaxprs(v)
 
 
 def xla_flops(compiled) -> float | None:

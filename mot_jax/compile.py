@@ -1,0 +1,40 @@
+"""Compile for a Cloud TPU topology on this machine and report what a chip needs:
+`python -m mot_jax.compile --config=configs/NAME.py[:ARG] --topology=v5e:4x4 [--program=prefill|decode] [--tokens=N]`.
+
+Needs libtpu (`bash launch/setup.sh --tpu-compile`), no TPU: the config's target model is built abstractly in its
+real shapes, sharded by the config's rules over the topology's chips, and compiled ahead of time (`mot_jax.aot`).
+Refuses in one line (exit 2) when a chip would not hold the program.
+"""
+
+from __future__ import annotations
+
+import os
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from mot_jax.cli import config_flags_parser, run_or_exit
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file (configs/NAME.py[:ARG]).")
+_TOPOLOGY = flags.DEFINE_string("topology", "v5e:4x4", "TPU topology GENERATION:SHAPE (v4, v5e, v5p, v6e).")
+_PROGRAM = flags.DEFINE_enum("program", "prefill", ["prefill", "decode"], "The program to compile.")
+_TOKENS = flags.DEFINE_integer("tokens", 1024, "Prompt tokens a row (decode: the tokens already cached).")
+_BATCH = flags.DEFINE_integer("batch", None, "Rows (default: one a chip).")
+flags.mark_flags_as_required(["config"])
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
+    from mot_jax import aot  # after flag parsing: importing jax is slow
+
+    print(run_or_exit(aot.run, _CONFIG.value, _TOPOLOGY.value, _PROGRAM.value, _TOKENS.value, _BATCH.value))
+
+
+def run():
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # it only compiles: the TPU is described, never opened
+    app.run(main, flags_parser=config_flags_parser(_CONFIG, "mot_jax/training/config.py"))
+
+
+if __name__ == "__main__":
+    run()
