@@ -1,6 +1,8 @@
 """The model layer's forward API (`mot_jax.models.hooks`) and its one attention entry (`mot_jax.models.attention`):
 what hooks see and record, whichever way the layers run, and which implementation the entry picks."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,7 +10,7 @@ import pytest
 from flax import struct
 
 from mot_jax import kernels
-from mot_jax.models import attention
+from mot_jax.models import accelerated, attention
 from mot_jax.models.attention import Mask
 from mot_jax.models.hooks import Forward, LayerHook, LayerInputs
 from mot_jax.models.loading import load_model
@@ -61,12 +63,42 @@ def test_the_entry_picks_the_cpu_kernel_only_on_the_cpu_and_where_nothing_needs_
     assert attention.implementation(q, k, v, mask, needs_weights=True) == "xla"
     chosen = mask.replace(allowed=jnp.ones((1, 4, 4), bool))
     assert attention.implementation(q, k, v, chosen) == "xla"
-    for backend in ("gpu", "tpu"):  # the accelerators' slots are not filled yet: XLA's path, never the CPU kernel
-        monkeypatch.setattr(jax, "default_backend", lambda backend=backend: backend)
-        assert attention.implementation(q, k, v, mask) == "xla"
-    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
     monkeypatch.setattr(kernels, "supports", lambda *a: False)
     assert attention.implementation(q, k, v, mask) == "xla"
+
+
+def test_the_entry_picks_splash_on_a_tpu_for_a_causal_prefill_and_cudnn_on_a_gpu_where_it_applies(monkeypatch):
+    q, k, v, mask = operands()
+    monkeypatch.setattr(kernels, "supports", lambda *a: True)  # never on another backend
+    monkeypatch.setattr(attention, "default_backend", lambda: "tpu")
+    assert attention.implementation(q, k, v, mask.replace(causal_prefill=True)) == "tpu"
+    assert attention.implementation(q, k, v, mask) == "xla"  # a continuation's slots are not known when tracing
+    monkeypatch.setattr(attention, "default_backend", lambda: "gpu")  # cuDNN where its own predicate says so
+    monkeypatch.setattr(accelerated, "gpu_supports", lambda q, k, v, softcap: softcap is None)
+    assert attention.implementation(q, k, v, mask) == "gpu"
+    assert attention.implementation(q, k, v, mask, softcap=30.0) == "xla"
+    assert attention.implementation(q, k, v, mask, needs_weights=True) == "xla"
+
+
+def test_a_prefill_routed_to_splash_equals_xlas_path(monkeypatch):
+    """A Gemma-3-shaped prefill (sliding and global layers in one scan, left padding) through the TPU route, splash
+    run in interpret mode on the CPU, against the same prefill on XLA's path."""
+    model = load_model("random:gemma3")[0]
+    ids = jax.random.randint(jax.random.key(1), (2, 40), 3, model.config.vocab_size)
+    mask = jnp.ones((2, 40), bool).at[1, :7].set(False)
+    monkeypatch.setattr(kernels, "supports", lambda *a: False)
+    want = model.run_layers(Forward(ids, mask))
+    monkeypatch.setattr(attention, "default_backend", lambda: "tpu")
+    splash = functools.partial(accelerated.tpu_attention, interpret=True)
+    chosen = []
+    monkeypatch.setattr(accelerated, "tpu_attention", lambda *a, **kw: chosen.append(1) or splash(*a, **kw))
+    got = model.run_layers(Forward(ids, mask))
+    assert chosen  # traced once: the layer scan's body
+    valid = np.asarray(mask)
+    np.testing.assert_allclose(np.asarray(got.hidden)[valid], np.asarray(want.hidden)[valid], atol=2e-5, rtol=2e-5)
+    slots = lambda kv: np.asarray(kv).transpose(1, 3, 0, 2, 4)[valid]  # [valid tokens, L, K, d]
+    # a padding query's output differs (splash masks by slot; no valid token reads it), so padding slots' K/V too
+    np.testing.assert_allclose(slots(got.cache.k), slots(want.cache.k), atol=2e-5, rtol=2e-5)
 
 
 def test_the_entry_hands_each_query_blocks_weights_to_the_caller(monkeypatch):

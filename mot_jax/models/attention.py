@@ -4,8 +4,12 @@ Every attention of the model layer goes through here (each layer of a forward, t
 a query may see is a `Mask` (positions, validity, a sliding window, optionally a per-query set of keys), never a
 materialised [T, S] matrix unless a caller's key set is one. The implementations, in the order they are tried:
 - `cpu_kernel`: the fused CPU kernel (`mot_jax.kernels`, XLA FFI), on the CPU backend where it takes the operands;
-- `tpu` and `gpu` (splash attention in `shard_map`, cuDNN through `jax.nn.dot_product_attention`): the slots where
-  the accelerators' fused kernels go, not filled yet, so those backends run `xla`;
+- `tpu`: splash attention (`accelerated.tpu_attention`) on the TPU backend, for a causal prefill into an empty cache
+  (splash masks by slot, which there is the position rule; a continuation's slot is traced); run without a mesh, so
+  on several chips XLA gathers its operands (the sharded call through `shard_map` is `tpu_attention`'s, not wired
+  to the model's mesh yet);
+- `gpu`: cuDNN's flash attention (`accelerated.gpu_attention`, the position mask as a bias) on the GPU backend where
+  its constraints hold (bf16/fp16, head sizes, no soft-cap);
 - `xla`: softmax weights materialised (`layers.attention_weights`), in query blocks for a causal prefill so that
   blocks above the diagonal are skipped; the only path that can hand the weights to a caller (`on_weights`) and the
   one every other path is tested against.
@@ -21,6 +25,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from mot_jax import kernels
+from mot_jax.models import accelerated
 from mot_jax.models.layers import GLOBAL_WINDOW, attention_reference, attention_weights, einsum
 
 PREFILL_BLOCK = 512  # query block of a causal prefill on XLA's path (key blocks above the diagonal are skipped)
@@ -32,7 +37,8 @@ class Mask:
     """Which keys each query sees: a key is visible when valid, not after the query (by position) and less than
     `window` positions behind it, and (with `allowed` [B, T, S]) chosen for that query; a query left with no chosen
     visible key attends to itself. `causal_prefill`: the keys are the queries' own tokens in order with nothing
-    before them (a prefill into an empty cache), so a block of queries needs the keys up to its end only."""
+    before them (a prefill into an empty cache), so a block of queries needs the keys up to its end only.
+    `window_choices`: every value a traced `window` can take (the model's per-layer windows inside its layer scan)."""
 
     q_pos: jax.Array  # [B, T]
     k_pos: jax.Array  # [B, S]
@@ -40,15 +46,27 @@ class Mask:
     window: jax.Array | int = GLOBAL_WINDOW
     allowed: jax.Array | None = None  # [B, T, S] bool
     causal_prefill: bool = struct.field(pytree_node=False, default=False)
+    window_choices: tuple = struct.field(pytree_node=False, default=())
 
 
 def implementation(q, k, v, mask: Mask, softcap=None, needs_weights=False) -> str:
     """The name (`IMPLEMENTATIONS`) of the implementation `attend` runs for these operands on this backend."""
     if needs_weights or mask.allowed is not None:
         return "xla"
-    if jax.default_backend() == "cpu" and kernels.supports(q, k, v, softcap):
+    backend = default_backend()
+    if backend == "cpu" and kernels.supports(q, k, v, softcap):
         return "cpu_kernel"
+    window = dict(window=mask.window, window_choices=mask.window_choices)
+    if backend == "tpu" and mask.causal_prefill and accelerated.tpu_supports(q, k, v, softcap=softcap, **window):
+        return "tpu"
+    if backend == "gpu" and accelerated.gpu_supports(q, k, v, softcap=softcap):
+        return "gpu"
     return "xla"
+
+
+def default_backend() -> str:
+    """The backend the program is traced for (a function of its own, so tests can trace another backend's choice)."""
+    return jax.default_backend()
 
 
 def attend(q, k, v, mask: Mask, *, scale, softcap=None, on_weights: Callable | None = None):
@@ -56,10 +74,15 @@ def attend(q, k, v, mask: Mask, *, scale, softcap=None, on_weights: Callable | N
     under `mask`; returns [B, T, H * d]. `on_weights(probs, start, block)`, when given, is called with each query
     block's softmax weights [B, K, G, t, S'] (fp32), its first query and the block size (XLA's path runs then)."""
     chosen = implementation(q, k, v, mask, softcap, on_weights is not None)
+    positions = (mask.q_pos, mask.k_pos, mask.k_valid)
     if chosen == "cpu_kernel":
         reference = functools.partial(attention_reference, softcap=softcap, allowed=None)
-        args = (q, k, v, mask.q_pos, mask.k_pos, mask.k_valid, mask.window, scale)
-        return kernels.attention(*args, softcap=softcap, reference=reference)
+        return kernels.attention(q, k, v, *positions, mask.window, scale, softcap=softcap, reference=reference)
+    if chosen == "tpu":
+        window = dict(window=mask.window, window_choices=mask.window_choices)
+        return accelerated.tpu_attention(q, k, v, *positions, scale=scale, softcap=softcap, **window)
+    if chosen == "gpu":
+        return accelerated.gpu_attention(q, k, v, *positions, scale=scale, window=mask.window, softcap=softcap)
     return xla_attention(q, k, v, mask, scale=scale, softcap=softcap, on_weights=on_weights)
 
 

@@ -89,7 +89,7 @@ class LayerCache:
     (`hooks.AttentionRead`) and attends through the one entry, `attention.attend`; the updated cache arrays are read
     back after the block has run (trace-time bookkeeping only)."""
 
-    def __init__(self, k_all, v_all, layer, cache: KVCache, q_pos, fresh, hooks=(), record=None):
+    def __init__(self, k_all, v_all, layer, cache: KVCache, q_pos, fresh, hooks=(), record=None, windows=()):
         self.k_all, self.v_all, self.layer, self.index = k_all, v_all, layer, cache.index
         self.q_pos, self.k_pos, self.k_valid = q_pos, cache.positions, cache.valid
         if cache.hidden is not None:  # slots this layer does not see
@@ -97,6 +97,7 @@ class LayerCache:
         self.fresh = fresh  # the cache was empty before these tokens (index 0, known when tracing)
         self.hooks, self.record = hooks, record if record is not None else LayerRecord()
         self.rope = None  # this layer's RoPE cos and sin at q_pos, when the model computed them for every layer
+        self.window_choices = tuple(sorted(set(windows)))  # the values this layer's traced window can take
 
     def attend(self, q, k, v, *, scale, window=GLOBAL_WINDOW, softcap=None):
         """q: [B, T, H, d], k/v: [B, T, K, d] for the new tokens; returns [B, T, H * d]."""
@@ -104,11 +105,13 @@ class LayerCache:
         length = q.shape[1]
         if self.fresh:  # only the new tokens can be visible: attend over them alone
             keys, values, offset = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), 0
-            mask = Mask(self.q_pos, self.k_pos[:, :length], self.k_valid[:, :length], window, causal_prefill=True)
+            k_pos, k_valid = self.k_pos[:, :length], self.k_valid[:, :length]
+            mask = Mask(self.q_pos, k_pos, k_valid, window, causal_prefill=True, window_choices=self.window_choices)
         else:
             keys = jax.lax.dynamic_index_in_dim(self.k_all, self.layer, keepdims=False)
             values = jax.lax.dynamic_index_in_dim(self.v_all, self.layer, keepdims=False)
-            mask, offset = Mask(self.q_pos, self.k_pos, self.k_valid, window), self.index
+            mask = Mask(self.q_pos, self.k_pos, self.k_valid, window, window_choices=self.window_choices)
+            offset = self.index
         read = AttentionRead(q, keys, values, mask, scale, softcap, offset)
         for hook in self.hooks:
             read = hook.attention(read, self.layer, self.record)
@@ -209,7 +212,7 @@ class CausalLM(nnx.Module):
             record = LayerRecord()
             for hook in hooks:
                 x = hook.layer_input(x, layer, record)
-            view = LayerCache(k_all, v_all, layer, cache, positions, fresh, hooks, record)
+            view = LayerCache(k_all, v_all, layer, cache, positions, fresh, hooks, record, self.config.windows)
             if rope is not None:
                 which, cos, sin = rope
                 view.rope = (cos[which[layer]], sin[which[layer]])
