@@ -2,9 +2,10 @@
 writer of the reports and pages (`markdown_table`).
 
 `written_folder(out, tool)` stages the files beside `out` and renames them into place once all are written
-(`files.atomic_folder`), so a reader never sees half a folder. It only ever replaces what a command of this project
-wrote there itself: each output folder gets a marker file listing its files, and `check_replaceable(out)` refuses
-anything else (a file, a training workdir, a folder with files the marker does not list); an empty folder is fine.
+(`files.atomic_folder`), so a reader never sees half a folder. It only ever replaces what the same command wrote
+there itself: each output folder gets a marker file naming the command and listing its files, and
+`check_replaceable(out, tool)` refuses anything else (a file, a training workdir, another command's output, a folder
+with files the marker does not list); an empty folder is fine.
 Files follow the umask.
 """
 
@@ -26,8 +27,8 @@ def _fix(out) -> str:
     return f"choose another output folder (--out), or remove {out} yourself"
 
 
-def check_replaceable(out) -> None:
-    """Raise MotJaxError unless `out` is absent, an empty folder or an output folder of this project as written."""
+def check_replaceable(out, tool: str) -> None:
+    """Raise MotJaxError unless `out` is absent, an empty folder or an output folder that `tool` wrote, as written."""
     out = epath.Path(out)
     if not out.exists():
         return
@@ -39,9 +40,12 @@ def check_replaceable(out) -> None:
     if "checkpoints" in names or ("config.json" in names and MARKER not in names):
         raise MotJaxError(f"{out} is a training workdir (it has checkpoints/ or config.json); {_fix(out)}.")
     try:
-        listed = set(json.loads((out / MARKER).read_text())["files"]) | {MARKER}
+        marker = json.loads((out / MARKER).read_text())
+        listed, writer = set(marker["files"]) | {MARKER}, marker["tool"]
     except (OSError, ValueError, KeyError, TypeError):
-        listed = set()
+        listed, writer = set(), tool
+    if writer != tool:
+        raise MotJaxError(f"{out} is an output of {writer}, which {tool} does not replace; {_fix(out)}.")
     foreign = sorted(names - listed)
     if foreign:
         raise MotJaxError(f"{out} holds files this project did not write there ({foreign[0]}); {_fix(out)}.")
@@ -67,9 +71,9 @@ def _follow_umask(folder: epath.Path) -> None:
 @contextlib.contextmanager
 def written_folder(out, tool: str):
     """Yield an empty staging folder; once the block ends without error, its files (and the marker naming `tool`)
-    replace `out`, which `check_replaceable` allows. On an error nothing changes at `out`."""
+    replace `out`, which `check_replaceable(out, tool)` allows. On an error nothing changes at `out`."""
     out = epath.Path(out)
-    check_replaceable(out)
+    check_replaceable(out, tool)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -79,7 +83,7 @@ def written_folder(out, tool: str):
         files = sorted(p.name for p in staging.iterdir())
         (staging / MARKER).write_text(json.dumps(dict(tool=tool, files=files)) + "\n")
         _follow_umask(staging)
-        check_replaceable(out)  # again: another process may have written there meanwhile
+        check_replaceable(out, tool)  # again: another process may have written there meanwhile
 
 
 def markdown_table(header, rows, left: int = 1) -> str:

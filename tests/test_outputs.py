@@ -248,3 +248,16 @@ def test_paired_differences_are_a_table_with_their_standard_error_and_verdict():
     assert "| MoT replay | native | -0.250 +- 0.050 below | - | - | - |" in table
     assert "| MoT replay | no_context | +0.050 one example | - | - | - |" in table
     assert table in report.markdown(data) and report.paired_table({"native": methods["native"]}) == ""
+
+
+def test_export_and_evaluate_never_replace_each_others_output(translator, tmp_path):
+    """`export --out=<a report>` deleted results.json and predictions.jsonl; `evaluate --out=<an export>` the export."""
+    report_folder, exported = tmp_path / "eval", tmp_path / "exported"
+    report.write(report_folder, results())
+    weights.export(*translator, exported)
+    before = tree(tmp_path)
+    with pytest.raises(MotJaxError, match=f"output of mot_jax.evaluate.*{REFUSED}"):
+        weights.export(*translator, report_folder)
+    with pytest.raises(MotJaxError, match=f"output of mot_jax.export.*{REFUSED}"):
+        report.write(exported, results())
+    assert tree(tmp_path) == before

@@ -237,7 +237,7 @@ def evaluate(workdir, config: ml_collections.ConfigDict, compare=(), out=None) -
         raise MotJaxError(f"chat_template={config.chat_template!r} is not one of {', '.join(CHAT_SETTINGS)}; pass one.")
     spans = band_spans(config.diagnose) if config.diagnose else None
     out = as_path(out or as_path(workdir) / "eval")
-    outputs.check_replaceable(out)  # before minutes of evaluation
+    outputs.check_replaceable(out, report.TOOL)  # before minutes of evaluation
     if config.pair:  # the baselines on a named pair, no trained translator
         pair = parse_list(config.pair)
         if len(pair) != 2 or compare:

@@ -25,7 +25,7 @@ def export_workdir(workdir, out, which="last"):
     from mot_jax.outputs import check_replaceable
     from mot_jax.training.trained import load_trained
 
-    check_replaceable(out)  # before the checkpoint is read
+    check_replaceable(out, weights.TOOL)  # before the checkpoint is read
     trained = load_trained(workdir, which)
     c = trained.config
     extra = dict(
