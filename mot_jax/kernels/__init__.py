@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mot_jax.errors import cause
-from mot_jax.files import atomic_file, sha256_of
+from mot_jax.files import atomic_file, remove_leftovers, sha256_of
 from mot_jax.paths import cache_lock, cache_root
 
 SOURCES = [Path(__file__).with_name(name) for name in ("common.h", "attention.cc", "rows.cc")]
@@ -83,16 +83,16 @@ def _build(compiler: str) -> Path:
         damage = _damage(library)
         if damage is None:
             return library
-        if library.exists():
+        if library.exists() and _record(library).exists():  # neither a first build nor one from before the records
             warnings.warn(f"mot_jax: the cached CPU kernel library {library} {damage}; building it again", stacklevel=3)
-        with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
-            built = Path(scratch) / library.name
+        for entry in (library, _record(library)):
+            remove_leftovers(entry)  # a killed build's
+        with atomic_file(library) as built:
             sources = [str(source) for source in SOURCES if source.suffix == ".cc"]
             command = [compiler, *flags, "-I", jax.ffi.include_dir(), *sources, "-o", str(built)]
             subprocess.run(command, capture_output=True, text=True, check=True)
             with atomic_file(_record(library)) as record:  # first the record, then the library it describes
                 record.write_text(f"{built.stat().st_size} {sha256_of(built)}\n")
-            os.replace(built, library)
     return library
 
 
@@ -107,7 +107,7 @@ def _damage(library: Path) -> str | None:
     try:
         size, digest = _record(library).read_text().split()
     except (OSError, ValueError):
-        return "has no record of its size and hash"
+        return "has no readable record of its size and hash"
     if library.stat().st_size != int(size):
         return f"is damaged ({library.stat().st_size} bytes, {size} recorded)"
     if sha256_of(library) != digest:
