@@ -12,8 +12,10 @@ Files follow the umask.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
+import tempfile
 
 from etils import epath
 
@@ -51,6 +53,30 @@ def check_replaceable(out, tool: str) -> None:
         raise MotJaxError(f"{out} holds files this project did not write there ({foreign[0]}); {_fix(out)}.")
 
 
+def check_output(out, tool: str) -> None:
+    """Raise MotJaxError unless `out` can be written by `tool`: replaceable (`check_replaceable`) and its parent
+    folder (made when missing) writable, where the files are staged. Call it before the work whose output it is."""
+    check_replaceable(out, tool)
+    out = epath.Path(out)
+    if "://" in str(out):
+        return  # cloud storage: its permissions show only when written
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out.parent):
+            pass
+    except OSError as e:
+        raise MotJaxError(
+            f"Cannot write to {out.parent} ({cause(e)}); choose a writable output folder (--out)."
+        ) from None
+
+
+def write_fix(e: OSError) -> str:
+    """What to do about a failed write, from its cause: a full disk is not a permission."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return "free space"
+    return "make the folder writable or choose another one (--out)"
+
+
 def _umask() -> int:
     mask = os.umask(0o022)
     os.umask(mask)
@@ -71,13 +97,10 @@ def _follow_umask(folder: epath.Path) -> None:
 @contextlib.contextmanager
 def written_folder(out, tool: str):
     """Yield an empty staging folder; once the block ends without error, its files (and the marker naming `tool`)
-    replace `out`, which `check_replaceable(out, tool)` allows. On an error nothing changes at `out`."""
+    replace `out`, which `check_replaceable(out, tool)` allows. On an error nothing changes at `out`; an OSError (a
+    full disk, a folder made unwritable since `check_output`) reaches the caller, to say what it kept."""
     out = epath.Path(out)
     check_replaceable(out, tool)
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise MotJaxError(f"Cannot create {out.parent} ({cause(e)}); {_fix(out)}.") from None
     with atomic_folder(out) as staging:
         yield staging
         files = sorted(p.name for p in staging.iterdir())

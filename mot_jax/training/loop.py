@@ -22,7 +22,7 @@ from absl import logging
 from etils import epath
 
 from mot_jax import multihost
-from mot_jax.errors import MotJaxError, Terminated
+from mot_jax.errors import Interrupted, MotJaxError
 from mot_jax.locks import file_lock
 from mot_jax.paths import as_path, cache_root
 from mot_jax.training import config as config_lib
@@ -44,12 +44,6 @@ from mot_jax.training.setup import (
 )
 from mot_jax.training.trainer import NonFinite, Trainer, count_params, fit, start_linear_skip
 from mot_jax.translate import channels
-
-
-class Interrupted(MotJaxError):
-    def __init__(self, message: str, terminated: bool):
-        super().__init__(message)
-        self.exit_status = 143 if terminated else 130  # the shell's status for SIGTERM, Ctrl-C
 
 
 def lock_name(process: int) -> str:
@@ -220,9 +214,7 @@ def train_in(workdir, config, mesh, pair: Pair, datasets: Datasets, checkpoints:
             kept = f"checkpointed step {done}"
         else:
             kept = f"the last checkpoint is step {last_saved}" if last_saved else "no checkpoint was written"
-        stopped = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
-        message = f"{stopped} after step {done}; {kept} in {workdir}; run the same command to resume."
-        raise Interrupted(message, isinstance(e, Terminated)) from None
+        raise Interrupted(f"after step {done}; {kept} in {workdir}; run the same command to resume.", e) from None
     finally:
         logger.close()
     results = trainer.baselines(held_out, "Closing table, held-out") | dict(untrained=initial["held_out_ce"])
