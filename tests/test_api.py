@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from tolerances import assert_float32_close
 
 from mot_jax.errors import MotJaxError
 from mot_jax.jit import jit
@@ -65,8 +66,8 @@ def test_readme_lines_translate_a_text_with_the_trained_translator_and_answer_gr
     source_cache, topk = source_prefill(source, source_ids, source_mask, topk=trained.translator.spec.attention_topk)
     want, _ = translate_jit(trained.translator, source, target, source_cache, alignment, ids, mask, topk, capacity=128)
     cache = got["cache"]
-    np.testing.assert_allclose(np.asarray(cache.k), np.asarray(want.k), atol=1e-6)
-    np.testing.assert_allclose(np.asarray(cache.v), np.asarray(want.v), atol=1e-6)
+    assert_float32_close(cache.k, want.k)
+    assert_float32_close(cache.v, want.v)
     for field in ("positions", "valid", "index"):
         np.testing.assert_array_equal(np.asarray(getattr(cache, field)), np.asarray(getattr(want, field)))
     expected = greedy_reference(target, want, question)

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from helpers import one_device_command_env, small_config
+from tolerances import assert_float32_close
 
 from mot_jax.errors import Interrupted, MotJaxError, Terminated
 from mot_jax.evals import datasets, metrics, report, run, synthetic
@@ -517,9 +518,9 @@ def test_a_swapped_band_takes_those_layers_from_the_donors_native_cache(pair, mo
     cache, _ = SwappedBand(1, layers).build(pair, contexts, contexts.length, Stopwatch())
     own = prefill(pair.target, contexts.ids, contexts.mask)[1]
     donor = prefill(pair.target, contexts.ids[::-1], contexts.mask[::-1])[1]  # each row's donor is the other row
-    np.testing.assert_allclose(cache.k[:1, :, :, :120], own.k[:1, :, :, :120], atol=1e-6)
-    np.testing.assert_allclose(cache.k[1:, :, :, :120], donor.k[1:, :, :, :120], atol=1e-6)
-    np.testing.assert_allclose(cache.v[1:, :, :, :120], donor.v[1:, :, :, :120], atol=1e-6)
+    assert_float32_close(cache.k[:1, :, :, :120], own.k[:1, :, :, :120])
+    assert_float32_close(cache.k[1:, :, :, :120], donor.k[1:, :, :, :120])
+    assert_float32_close(cache.v[1:, :, :, :120], donor.v[1:, :, :, :120])
     assert [(b.lo, b.hi) for b in bands(8)] == [(0, 2), (2, 4), (4, 6), (6, 8)] and bands(8)[0].needs_donors
     calls = []
     monkeypatch.setattr(methods, "prefill", lambda *a, **k: calls.append(a[1]) or prefill(*a, **k))
