@@ -83,6 +83,24 @@ def atomic_folder(path):
                 leftover.rmtree()
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def follow_umask(folder) -> None:
+    """Give `folder` and everything under it the modes a plain mkdir / open would have made: temporary-file tools
+    (safetensors) write 0600, which other users (of a shared cache, an output folder) cannot read."""
+    if "://" in str(folder):
+        return  # cloud storage has no modes
+    mask = _umask()
+    for root, _dirs, files in os.walk(folder):
+        os.chmod(root, 0o777 & ~mask)
+        for name in files:
+            os.chmod(os.path.join(root, name), 0o666 & ~mask)
+
+
 def utf8(path, data: bytes, first_line: int = 1) -> str:
     """`data` (the file's text from line `first_line` on) decoded; bytes that are not UTF-8 are named by file:line."""
     try:

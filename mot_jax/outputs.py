@@ -6,7 +6,7 @@ writer of the reports and pages (`markdown_table`).
 there itself: each output folder gets a marker file naming the command and listing its files, and
 `check_replaceable(out, tool)` refuses anything else (a file, a training workdir, another command's output, a folder
 with files the marker does not list); an empty folder is fine.
-Files follow the umask.
+Files follow the umask (`files.follow_umask`).
 """
 
 from __future__ import annotations
@@ -14,13 +14,12 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
-import os
 import tempfile
 
 from etils import epath
 
 from mot_jax.errors import MotJaxError, cause
-from mot_jax.files import atomic_folder
+from mot_jax.files import atomic_folder, follow_umask
 
 MARKER = ".mot_jax_output"
 
@@ -77,23 +76,6 @@ def write_fix(e: OSError) -> str:
     return "make the folder writable or choose another one (--out)"
 
 
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def _follow_umask(folder: epath.Path) -> None:
-    """What a plain mkdir / open would have made: temporary-file tools (safetensors) write 0600."""
-    if "://" in str(folder):
-        return  # cloud storage has no modes
-    mask = _umask()
-    for root, _dirs, files in os.walk(folder):
-        os.chmod(root, 0o777 & ~mask)
-        for name in files:
-            os.chmod(os.path.join(root, name), 0o666 & ~mask)
-
-
 @contextlib.contextmanager
 def written_folder(out, tool: str):
     """Yield an empty staging folder; once the block ends without error, its files (and the marker naming `tool`)
@@ -105,7 +87,7 @@ def written_folder(out, tool: str):
         yield staging
         files = sorted(p.name for p in staging.iterdir())
         (staging / MARKER).write_text(json.dumps(dict(tool=tool, files=files)) + "\n")
-        _follow_umask(staging)
+        follow_umask(staging)
         check_replaceable(out, tool)  # again: another process may have written there meanwhile
 
 
