@@ -22,7 +22,7 @@ from absl import logging
 from etils import epath
 
 from mot_jax import multihost
-from mot_jax.errors import Interrupted, MotJaxError
+from mot_jax.errors import Interrupted, MotJaxError, cause
 from mot_jax.locks import file_lock
 from mot_jax.paths import as_path, cache_root
 from mot_jax.training import config as config_lib
@@ -100,7 +100,10 @@ def train_and_evaluate(config, workdir) -> dict:
     mesh = make_mesh(config)
     workdir = as_path(workdir)
     made = not workdir.exists()
-    workdir.mkdir(parents=True, exist_ok=True)
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file of that name, a read-only disk
+        raise MotJaxError(f"Cannot make the workdir {workdir} ({cause(e)}); pass a folder for --workdir.") from None
     with workdir_lock(workdir), removed_on_failure_if_empty(workdir, made):
         multihost.check_shared(workdir)
         with multihost.prepare_lock(cache_root()):  # processes on one host: the first builds caches, the others read
