@@ -1,5 +1,5 @@
-"""Writing and reading files whole: atomic writes (a reader never sees half a file or folder) and JSON Lines read
-with the file and line named on any error."""
+"""Writing and reading files whole: atomic writes (a reader never sees half a file or folder), modes that follow the
+umask, and JSON Lines read with the file and line named on any error."""
 
 from __future__ import annotations
 

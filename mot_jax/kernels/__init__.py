@@ -10,7 +10,8 @@ product; `rows.cc` streams the matrix once as stored (prefetched ahead), widenin
 
 The kernels are compiled on first use with the machine's C++ compiler (`-march=native`) into the shared cache
 (`$MOT_JAX_CACHE/kernels`, keyed by the sources, the compiler and its flags, jaxlib and the CPU), under a lock and
-renamed into place. Without a compiler (after one warning) XLA's paths run; `MOT_JAX_ATTENTION=xla` chooses XLA's
+renamed into place, its size and sha256 recorded beside it and checked before each load (a damaged one is
+rebuilt). Without a compiler (after one warning) XLA's paths run; `MOT_JAX_ATTENTION=xla` chooses XLA's
 attention (`layers.attention_reference`). On other backends XLA's paths are the ones lowered, and so they are in
 multi-process runs (the custom calls have no partitioning rule). Gradients go through XLA's paths (the kernels are
 forward only).
