@@ -11,6 +11,16 @@ def cause(e: Exception) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
+class Interrupted(MotJaxError):
+    """Work stopped by Ctrl-C or SIGTERM (`stopped`, the KeyboardInterrupt), said in one line with what was kept; the
+    exit status is the shell's for that signal."""
+
+    def __init__(self, message: str, stopped: KeyboardInterrupt):
+        terminated = isinstance(stopped, Terminated)
+        super().__init__(f"{'terminated (SIGTERM)' if terminated else 'interrupted'} {message}")
+        self.exit_status = 143 if terminated else 130
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM (what SLURM and TPU preemption send), raised like Ctrl-C's KeyboardInterrupt so that work stops the
     same way: checkpointed, said in one line (mot_jax.cli.run_or_exit)."""

@@ -1,5 +1,5 @@
-"""Writing and reading files whole: atomic writes (a reader never sees half a file or folder) and JSON Lines read
-with the file and line named on any error."""
+"""Writing and reading files whole: atomic writes (a reader never sees half a file or folder), modes that follow the
+umask, and JSON Lines read with the file and line named on any error."""
 
 from __future__ import annotations
 
@@ -81,6 +81,24 @@ def atomic_folder(path):
         for leftover in (staging, old):
             if leftover is not None and leftover.exists():
                 leftover.rmtree()
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def follow_umask(folder) -> None:
+    """Give `folder` and everything under it the modes a plain mkdir / open would have made: temporary-file tools
+    (safetensors) write 0600, which other users (of a shared cache, an output folder) cannot read."""
+    if "://" in str(folder):
+        return  # cloud storage has no modes
+    mask = _umask()
+    for root, _dirs, files in os.walk(folder):
+        os.chmod(root, 0o777 & ~mask)
+        for name in files:
+            os.chmod(os.path.join(root, name), 0o666 & ~mask)
 
 
 def utf8(path, data: bytes, first_line: int = 1) -> str:

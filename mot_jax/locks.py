@@ -14,14 +14,20 @@ import fcntl
 import os
 from pathlib import Path
 
-from mot_jax.errors import MotJaxError
+from mot_jax.errors import MotJaxError, cause
 
 
 @contextlib.contextmanager
 def file_lock(path, *, busy: str | None = None):
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError as e:  # a read-only disk (e.g. the default cache folder in a read-only home)
+        raise MotJaxError(
+            f"Cannot write the lock file {path} ({cause(e)}); make {path.parent} writable, or for the shared cache set "
+            "MOT_JAX_CACHE to a writable folder."
+        ) from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | (fcntl.LOCK_NB if busy is not None else 0))

@@ -27,12 +27,23 @@ from mot_jax.locks import file_lock
 SLURM_VARS = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
 
 
+def env_int(name: str, environ=os.environ, default=None) -> int | None:
+    """The whole number in environment variable `name` (`default` when unset); anything else refused in one line."""
+    text = environ.get(name)
+    if text is None:
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise MotJaxError(f"{name}={text!r} is not a whole number; set it to one, or unset it.") from None
+
+
 def detected_cluster(environ=os.environ) -> str | None:
     """The launcher that started this process as one of several, among those `jax.distributed` detects by itself;
     None when nothing says so (a plain single process)."""
-    if all(v in environ for v in SLURM_VARS) and int(environ["SLURM_NTASKS"]) > 1:
+    if all(v in environ for v in SLURM_VARS) and env_int("SLURM_NTASKS", environ) > 1:
         return "slurm"
-    if int(environ.get("OMPI_COMM_WORLD_SIZE", "1")) > 1:
+    if env_int("OMPI_COMM_WORLD_SIZE", environ, 1) > 1:
         return "openmpi"
     if "," in environ.get("TPU_WORKER_HOSTNAMES", "") + environ.get("TPU_PROCESS_ADDRESSES", ""):
         return "tpu-gke"

@@ -23,8 +23,9 @@ flags.mark_flags_as_required(["config", "workdir"])
 _COORDINATOR = flags.DEFINE_string(
     "coordinator_address", os.environ.get("JAX_COORDINATOR_ADDRESS"), "Multi-process: HOST:PORT of process 0."
 )
-_NUM_PROCESSES = flags.DEFINE_integer("num_processes", os.environ.get("JAX_NUM_PROCESSES"), "Multi-process: N.")
-_PROCESS_ID = flags.DEFINE_integer("process_id", os.environ.get("JAX_PROCESS_ID"), "Multi-process: 0 .. N-1.")
+# read in main (a malformed variable: one line there, not a traceback at import)
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Multi-process: N (default $JAX_NUM_PROCESSES).")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "Multi-process: 0 .. N-1 (default $JAX_PROCESS_ID).")
 _DISTRIBUTED = flags.DEFINE_bool(
     "distributed",
     None,
@@ -40,8 +41,14 @@ def main(argv):
     from mot_jax import multihost  # after flag parsing: importing jax is slow
     from mot_jax.training.loop import train_and_evaluate
 
-    # before any other JAX call; a single process stays as it is
-    run_or_exit(multihost.initialize, _COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _DISTRIBUTED.value)
+    def initialize():  # before any other JAX call; a single process stays as it is
+        num_processes = _NUM_PROCESSES.value
+        process_id = _PROCESS_ID.value
+        num_processes = multihost.env_int("JAX_NUM_PROCESSES") if num_processes is None else num_processes
+        process_id = multihost.env_int("JAX_PROCESS_ID") if process_id is None else process_id
+        return multihost.initialize(_COORDINATOR.value, num_processes, process_id, _DISTRIBUTED.value)
+
+    run_or_exit(initialize)
     if not multihost.is_main():
         logging.set_verbosity(logging.WARNING)  # process 0 logs for the run
     run_or_exit(train_and_evaluate, _CONFIG.value, _WORKDIR.value)

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from tolerances import assert_float32_close
 
 from mot_jax.errors import MotJaxError
 from mot_jax.jit import jit
@@ -17,7 +18,7 @@ from mot_jax.models.generation import decode_step, generate, generate_from_cache
 from mot_jax.models.loading import load_model
 from mot_jax.training import trained as trained_lib
 from mot_jax.translate.align import align_batch
-from mot_jax.translate.pipeline import source_prefill, translate_jit
+from mot_jax.translate.pipeline import CacheTranslator, source_prefill, translate_jit
 from mot_jax.translate.spec import TranslationSpec
 from mot_jax.translate.translator import KVTranslator, mixture_config
 
@@ -65,8 +66,8 @@ def test_readme_lines_translate_a_text_with_the_trained_translator_and_answer_gr
     source_cache, topk = source_prefill(source, source_ids, source_mask, topk=trained.translator.spec.attention_topk)
     want, _ = translate_jit(trained.translator, source, target, source_cache, alignment, ids, mask, topk, capacity=128)
     cache = got["cache"]
-    np.testing.assert_allclose(np.asarray(cache.k), np.asarray(want.k), atol=1e-6)
-    np.testing.assert_allclose(np.asarray(cache.v), np.asarray(want.v), atol=1e-6)
+    assert_float32_close(cache.k, want.k)
+    assert_float32_close(cache.v, want.v)
     for field in ("positions", "valid", "index"):
         np.testing.assert_array_equal(np.asarray(getattr(cache, field)), np.asarray(getattr(want, field)))
     expected = greedy_reference(target, want, question)
@@ -102,3 +103,22 @@ def test_generating_from_a_cache_without_room_is_refused():
     assert generate_from_cache(target, cache, question, max_new_tokens=4).shape == (1, 4)
     with pytest.raises(MotJaxError, match="has 13 slots but .* need 14; build it with capacity >= 14"):
         generate_from_cache(target, cache, question, max_new_tokens=5)
+
+
+def test_bad_arguments_of_from_text_are_refused_in_one_line(random_pair):
+    """Too small a capacity gave a raw JAX error, -5 or 2.5 a TypeError, [None] an AttributeError; 0 meant None."""
+    source, target, source_tokenizer, target_tokenizer = random_pair
+    layers = target.config.num_layers
+    spec = TranslationSpec.build("direct", None, source.config.num_layers, layers, native_bottom=layers)
+    translator = KVTranslator(spec, mixture_config(spec, source, target), rngs=nnx.Rngs(0))
+    ct = CacheTranslator(source, target, source_tokenizer, target_tokenizer, translator)
+    text = "one two three four five six seven eight"
+    tokens = len(target_tokenizer.encode(text).ids)
+    for texts, capacity in [([text], tokens - 1), ([text], -5), ([text], 2.5), ([text], 0), ([text], True)]:
+        with pytest.raises(MotJaxError, match=rf"capacity={capacity!r} cannot hold the context's {tokens} tokens"):
+            ct.from_text(texts, capacity=capacity)
+    for texts in ([None], text, None):
+        with pytest.raises(MotJaxError, match="is not a list of strings"):
+            ct.from_text(texts)
+    cache, ids, _ = ct.from_text([text], capacity=np.int64(tokens + 2))
+    assert ids.shape == (1, tokens) and cache.capacity == tokens + 2

@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 from flax import nnx
 from helpers import one_device_command_env, small_config
+from tolerances import assert_float32_close
 
-from mot_jax.errors import MotJaxError
+from mot_jax.errors import Interrupted, MotJaxError, Terminated
 from mot_jax.evals import datasets, metrics, report, run, synthetic
 from mot_jax.evals.config import defaults
 from mot_jax.evals.methods import (
@@ -517,9 +518,9 @@ def test_a_swapped_band_takes_those_layers_from_the_donors_native_cache(pair, mo
     cache, _ = SwappedBand(1, layers).build(pair, contexts, contexts.length, Stopwatch())
     own = prefill(pair.target, contexts.ids, contexts.mask)[1]
     donor = prefill(pair.target, contexts.ids[::-1], contexts.mask[::-1])[1]  # each row's donor is the other row
-    np.testing.assert_allclose(cache.k[:1, :, :, :120], own.k[:1, :, :, :120], atol=1e-6)
-    np.testing.assert_allclose(cache.k[1:, :, :, :120], donor.k[1:, :, :, :120], atol=1e-6)
-    np.testing.assert_allclose(cache.v[1:, :, :, :120], donor.v[1:, :, :, :120], atol=1e-6)
+    assert_float32_close(cache.k[:1, :, :, :120], own.k[:1, :, :, :120])
+    assert_float32_close(cache.k[1:, :, :, :120], donor.k[1:, :, :, :120])
+    assert_float32_close(cache.v[1:, :, :, :120], donor.v[1:, :, :, :120])
     assert [(b.lo, b.hi) for b in bands(8)] == [(0, 2), (2, 4), (4, 6), (6, 8)] and bands(8)[0].needs_donors
     calls = []
     monkeypatch.setattr(methods, "prefill", lambda *a, **k: calls.append(a[1]) or prefill(*a, **k))
@@ -649,3 +650,30 @@ def test_chat_format_follows_the_tokenizer_and_the_model_name():
         target_chat("on", "random:llama", plain)
     with pytest.raises(MotJaxError, match="chat_template='yes' is not one of auto, on, off"):
         run.evaluate("/nonexistent", small_config(chat_template="yes"))
+
+
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, Terminated])
+def test_an_interrupted_evaluation_says_where_its_results_so_far_are(trained_workdir, tmp_path, monkeypatch, stop):
+    """Ctrl-C and SIGTERM printed only "interrupted" / "terminated" though OUT.partial kept the predictions."""
+    config = small_config(tasks="extractive_qa", examples=4, ttft_lengths="", methods="no_context")
+    recorder = run.Partial.recorder
+
+    def stop_after_the_first_batch(self, *args):
+        record = recorder(self, *args)
+
+        def first_then_stop(*row):
+            record(*row)
+            raise stop
+
+        return first_then_stop
+
+    monkeypatch.setattr(run.Partial, "recorder", stop_after_the_first_batch)
+    out = tmp_path / "eval"
+    with pytest.raises(Interrupted) as caught:
+        run.evaluate(trained_workdir, config, out=out)
+    partial = tmp_path / "eval.partial"
+    assert f"the results so far are in {partial} (predictions.jsonl)" in str(caught.value)
+    assert str(caught.value).startswith("terminated (SIGTERM)" if stop is Terminated else "interrupted")
+    assert caught.value.exit_status == (143 if stop is Terminated else 130)
+    rows = [json.loads(line) for line in (partial / "predictions.jsonl").read_text().splitlines()]
+    assert [r["index"] for r in rows] == [0, 1] and not out.exists()

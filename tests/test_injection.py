@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 from hf_reference import CONFIGS, padded_batch, positions_for, save_tiny
+from tolerances import assert_float32_close
 
 from mot_jax.jit import jit
 from mot_jax.models.attention import Mask, attend
@@ -65,7 +66,7 @@ def test_injection_changes_only_the_layers_above_the_window(pair):
     ids, mask, cache, _ = native(model)
     replayed, _ = run_layers(model, ids, mask, [window_injection(cache, [1], scale=2.0)])
     # the window layer still caches its own K/V; the layers above read a changed residual stream
-    np.testing.assert_allclose(np.asarray(replayed.k[:2]), np.asarray(cache.k[:2]), atol=1e-6, rtol=0)
+    assert_float32_close(replayed.k[:2], cache.k[:2])  # another program than the native run's
     assert float(jnp.abs(replayed.k[2:] - cache.k[2:]).max()) > 1e-3
 
 

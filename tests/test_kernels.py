@@ -1,7 +1,9 @@
 """The CPU kernels against XLA's paths (fused attention against XLA's attention, the row kernel against float64
 products) and their build."""
 
+import ctypes
 import shutil
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -199,3 +201,46 @@ def test_bfloat16_decoding_with_the_row_kernel_equals_xlas(family, monkeypatch):
     xla, xla_lowered = run()
     assert kernel_lowered and not xla_lowered
     np.testing.assert_allclose(kernel, xla, atol=0.03 * np.abs(xla).max())  # bf16 logits (~1% apart here)
+
+
+def _tiny_sources(tmp_path, monkeypatch, text):
+    """The build of one small source instead of the kernels' (the same steps, in a second rather than ten)."""
+    monkeypatch.setenv("MOT_JAX_CACHE", str(tmp_path / "cache"))
+    source = tmp_path / "tiny.cc"
+    source.write_text(text)
+    monkeypatch.setattr(kernels, "SOURCES", [source])
+
+
+def test_a_damaged_cached_library_is_built_again_in_one_line(tmp_path, monkeypatch):
+    """A library cut short (a full disk, a killed copy) would crash whatever loads it: it is checked and rebuilt."""
+    _tiny_sources(tmp_path, monkeypatch, 'extern "C" int mot_jax_answer() { return 42; }\n')
+    compiler = shutil.which("g++")
+    library = kernels._build(compiler)
+    whole = library.read_bytes()
+    for cut in (len(whole) // 2, 0):
+        library.write_bytes(whole[:cut])
+        with pytest.warns(UserWarning, match="is damaged.*building it again") as caught:
+            assert kernels._build(compiler) == library
+        assert len(caught) == 1 and "\n" not in str(caught[0].message)
+        assert library.read_bytes() == whole
+    assert ctypes.CDLL(str(library)).mot_jax_answer() == 42  # loaded last: cutting a loaded library short crashes
+    assert sorted(p.name for p in library.parent.iterdir() if not p.name.startswith(".")) == [
+        library.name,
+        library.name + ".sha256",
+    ]  # nothing half-written beside it
+
+
+def test_a_failed_build_warns_in_one_line_with_its_cause_first(tmp_path, monkeypatch):
+    """A compiler's long output (here 30 warnings before the error) goes to a log file; the warning names the cause."""
+    _tiny_sources(tmp_path, monkeypatch, "#warning filler\n" * 30 + "#error the real cause\n")
+    kernels.available.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="CPU kernels are unavailable") as caught:
+            assert not kernels.available()
+    finally:
+        kernels.available.cache_clear()
+    (message,) = [str(w.message) for w in caught]
+    assert "\n" not in message and "the real cause" in message and "filler" not in message
+    log = message.split("full output is in ")[1].rstrip(")")
+    assert Path(log).read_text().count("warning: #warning filler") == 30
+    Path(log).unlink()

@@ -8,9 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 from method_outputs import compute
+from tolerances import assert_float32_close
 
 FIXTURE = Path(__file__).parent / "fixtures" / "method_outputs.npz"
-ULPS = 256  # of float32's epsilon, times each output's largest magnitude: a few layers' rounding, far below a bug's
+ULPS = 256  # float32 epsilons of each output's largest magnitude: whole models' rounding, far below a bug's
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +27,6 @@ def test_every_method_gives_the_outputs_it_gave_before(outputs):
         got, want = outputs[name], saved[name]
         assert got.shape == want.shape and got.dtype == want.dtype, name
         if np.issubdtype(want.dtype, np.floating):
-            tolerance = ULPS * np.finfo(np.float32).eps * max(float(np.abs(want).max()), 1.0)
-            np.testing.assert_allclose(got, want, atol=tolerance, rtol=0, err_msg=name)
+            assert_float32_close(got, want, ulps=ULPS)
         else:
             np.testing.assert_array_equal(got, want, err_msg=name)

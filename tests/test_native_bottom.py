@@ -7,6 +7,7 @@ import pytest
 import torch
 from flax import nnx
 from hf_reference import padded_batch, positions_for, run_reference
+from tolerances import assert_float32_close
 
 from mot_jax.errors import MotJaxError
 from mot_jax.models.generation import prefill
@@ -157,7 +158,7 @@ def test_the_source_free_method_runs_no_source_and_hands_nothing_over():
         None,
         capacity=contexts.length,
     )
-    np.testing.assert_allclose(np.asarray(cache.k), np.asarray(want.k), atol=1e-6, rtol=0)
+    assert_float32_close(cache.k, want.k)
 
 
 def test_a_linear_translator_is_its_skip_alone(hf_pair, batch):

@@ -4,7 +4,9 @@ workdir or foreign files, files that follow the umask; the report's plots."""
 import json
 import os
 import re
+import shutil
 import stat
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -13,8 +15,10 @@ from flax import nnx
 
 from mot_jax import outputs
 from mot_jax.errors import MotJaxError
-from mot_jax.evals import report
+from mot_jax.evals import report, run
+from mot_jax.evals.config import defaults
 from mot_jax.export import weights
+from mot_jax.export.__main__ import export_workdir
 from mot_jax.models import tiny
 from mot_jax.models.registry import FAMILIES
 from mot_jax.translate import channels
@@ -248,3 +252,47 @@ def test_paired_differences_are_a_table_with_their_standard_error_and_verdict():
     assert "| MoT replay | native | -0.250 +- 0.050 below | - | - | - |" in table
     assert "| MoT replay | no_context | +0.050 one example | - | - | - |" in table
     assert table in report.markdown(data) and report.paired_table({"native": methods["native"]}) == ""
+
+
+def test_export_and_evaluate_never_replace_each_others_output(translator, tmp_path):
+    """`export --out=<a report>` deleted results.json and predictions.jsonl; `evaluate --out=<an export>` the export."""
+    report_folder, exported = tmp_path / "eval", tmp_path / "exported"
+    report.write(report_folder, results())
+    weights.export(*translator, exported)
+    before = tree(tmp_path)
+    with pytest.raises(MotJaxError, match=f"output of mot_jax.evaluate.*{REFUSED}"):
+        weights.export(*translator, report_folder)
+    with pytest.raises(MotJaxError, match=f"output of mot_jax.export.*{REFUSED}"):
+        report.write(exported, results())
+    assert tree(tmp_path) == before
+
+
+def test_an_unwritable_output_folder_is_refused_before_any_work(tmp_path):
+    """An evaluation ran to its end before finding --out unwritable; export gave an OSError traceback. (The tests
+    run as root, which any folder mode lets write: a folder under a file cannot be made, whoever asks.)"""
+    (tmp_path / "file").write_text("data")
+    out = tmp_path / "file" / "out"
+    no_run = tmp_path / "no_run"  # never read: the output is checked first
+    with pytest.raises(MotJaxError, match=f"Cannot write to {re.escape(str(out.parent))} .*writable output folder"):
+        run.evaluate(no_run, defaults(), out=out)
+    with pytest.raises(MotJaxError, match=f"Cannot write to {re.escape(str(out.parent))} .*writable output folder"):
+        export_workdir(no_run, out)
+    assert tree(tmp_path) == {"file": b"data"}
+
+
+def test_a_report_that_cannot_be_written_keeps_the_results_elsewhere_with_the_real_cause(tmp_path):
+    """When neither the report nor OUT.partial can be written (the folder became unwritable), the results went
+    nowhere and the message blamed a full disk."""
+    (tmp_path / "file").write_text("data")
+    out = tmp_path / "file" / "eval"
+    partial = run.Partial(out)
+    assert partial.failed  # OUT.partial could not be written either
+    data = results()
+    with pytest.raises(MotJaxError, match=r"Could not write the report .*File exists.*choose another one") as e:
+        run.write_report(out, data, partial)
+    assert "free space" not in str(e.value)
+    kept = Path(re.search(r"the results are in (\S+) ", str(e.value)).group(1))
+    clean, rows = report.split_predictions(data)
+    assert json.loads((kept / "results.json").read_text()) == clean
+    assert [json.loads(line) for line in (kept / "predictions.jsonl").read_text().splitlines()] == rows
+    shutil.rmtree(kept)

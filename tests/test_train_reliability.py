@@ -86,6 +86,29 @@ def test_bad_input_on_the_command_line_is_one_line(tmp_path, flags, reason):
     assert "Traceback" not in result.stderr and not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize(
+    "variable,value,reason",
+    [
+        ("JAX_NUM_PROCESSES", "abc", "JAX_NUM_PROCESSES='abc' is not a whole number"),
+        ("OMPI_COMM_WORLD_SIZE", "abc", "OMPI_COMM_WORLD_SIZE='abc' is not a whole number"),
+        ("HOME", "{file}/home", "Cannot write the lock file {file}/home/.cache/mot_jax/"),  # an empty MOT_JAX_CACHE
+        (None, None, "Cannot make the workdir {file}"),  # --workdir naming a file
+    ],
+)
+def test_a_bad_environment_or_workdir_is_one_line_not_a_traceback(tmp_path, monkeypatch, variable, value, reason):
+    """Each gave a traceback (FileExistsError, an OSError from the cache's lock, ValueError from int())."""
+    file = tmp_path / "file"
+    file.write_text("data")
+    monkeypatch.setenv("MOT_JAX_CACHE", "")
+    if variable:
+        monkeypatch.setenv(variable, value.format(file=file))
+    result = run_cli(tmp_path / "run" if variable else file)
+    errors = [line for line in result.stderr.splitlines() if line.startswith(("E", "error"))]
+    assert result.returncode == 2 and errors == [line for line in errors if line.startswith("error: ")], errors
+    assert len(errors) == 1 and errors[0].startswith(f"error: {reason.format(file=file)}"), errors
+    assert "Traceback" not in result.stderr and file.read_text() == "data" and not (tmp_path / "run").exists()
+
+
 def test_a_busy_workdir_is_refused(tmp_path, monkeypatch):
     with file_lock(tmp_path / ".lock"):  # as another run holds it
         with pytest.raises(MotJaxError, match=f"^Another training run is using {tmp_path};"):

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
+from tolerances import assert_float32_close
 
 from mot_jax import sharding
 from mot_jax.errors import MotJaxError
@@ -63,7 +64,7 @@ def test_replay_keeps_layers_below_the_window_native_and_caches_own_kv(hf_pair):
     translator = make_translator(source, target, channel_map=channels.explicit([1, 2], [1, 2]), sparse_attention=False)
     cache, aux = run(translator, source, target, ids, mask)
     _, native = target(ids, mask)
-    np.testing.assert_allclose(np.asarray(cache.k[0]), np.asarray(native.k[0]), atol=1e-6)
+    assert_float32_close(cache.k[0], native.k[0])
     assert float(jnp.abs(cache.k[2] - native.k[2]).max()) > 1e-4  # above the first window layer it changed
     assert set(aux) == {"key", "value"} and "load_balance_loss" in aux["key"]
 
@@ -79,8 +80,8 @@ def test_direct_cache_holds_the_translation_and_extends(hf_pair):
     np.testing.assert_array_equal(np.asarray(cache.positions[1, :7]), np.arange(7))
     # the first token attends only to itself: its K/V are the target's own (a native prefill's), the rest translated
     native = target.run_layers(Forward(ids, mask)).cache
-    np.testing.assert_allclose(np.asarray(cache.k[:, :, :, 0]), np.asarray(native.k[:, :, :, 0]), atol=1e-6)
-    np.testing.assert_allclose(np.asarray(cache.v[:, :, :, 0]), np.asarray(native.v[:, :, :, 0]), atol=1e-6)
+    assert_float32_close(cache.k[:, :, :, 0], native.k[:, :, :, 0])
+    assert_float32_close(cache.v[:, :, :, 0], native.v[:, :, :, 0])
     assert not np.allclose(np.asarray(cache.k[:, :, :, 1:7]), np.asarray(native.k[:, :, :, 1:7]), atol=1e-3)
     logits, cache = target(jnp.asarray([[5, 6], [7, 8]]), cache=cache)
     np.testing.assert_array_equal(np.asarray(cache.positions[:, 10:12]), [[10, 11], [7, 8]])  # rows continue

@@ -13,6 +13,7 @@ from mot_jax import outputs
 from mot_jax.evals.methods import SHUFFLED
 
 MIB = 2**20
+TOOL = "mot_jax.evaluate"  # the writer its report folders name (mot_jax.outputs)
 
 
 def _pct(value) -> str:
@@ -345,7 +346,7 @@ def _save(fig, path) -> str:
 def write(out, results: dict) -> None:
     """Write the report into `out` (a folder), all or nothing, replacing only an earlier output (`mot_jax.outputs`)."""
     clean, rows = split_predictions(results)
-    with outputs.written_folder(out, "mot_jax.evaluate") as partial:
+    with outputs.written_folder(out, TOOL) as partial:
         clean["plots"] = plots(clean, partial)
         (partial / "results.json").write_text(json.dumps(clean, indent=2))
         (partial / "results.md").write_text(markdown(clean))

@@ -19,14 +19,16 @@ import datetime
 import json
 import os
 import platform
+import tempfile
 import time
+from pathlib import Path
 
 import jax
 import ml_collections
 from absl import logging
 
 from mot_jax import outputs
-from mot_jax.errors import MotJaxError, cause
+from mot_jax.errors import Interrupted, MotJaxError, cause
 from mot_jax.evals import datasets, report
 from mot_jax.evals.config import parse_list
 from mot_jax.evals.kvcomm import KVComm
@@ -155,6 +157,30 @@ def with_controls(translated: list, shuffled_source: bool) -> list:
     return [row for m in translated for row in ([m, ShuffledSource(m)] if control(m) else [m])]
 
 
+def partial_folder(out):
+    return out.parent / f"{out.name}.partial"
+
+
+def remove_partial(folder) -> None:
+    """Remove the results so far (and their folder, unless it holds anything else)."""
+    for name in ("predictions.jsonl", "results.json"):
+        (folder / name).unlink(missing_ok=True)
+    if folder.exists() and not any(folder.iterdir()):
+        folder.rmdir()
+
+
+def kept_so_far(out) -> str:
+    """What an interrupted evaluation into `out` leaves: where its results so far are, or that there are none (then
+    their empty folder goes)."""
+    folder = partial_folder(out)
+    rows = folder / "predictions.jsonl"
+    if rows.exists() and rows.stat().length:
+        finished = " and results.json of the finished tasks" if (folder / "results.json").exists() else ""
+        return f"before the report was written; the results so far are in {folder} (predictions.jsonl{finished})"
+    remove_partial(folder)
+    return "before any result was computed"
+
+
 class Partial:
     """The results so far, in OUT.partial beside the report folder OUT: each batch's prediction rows appended to
     predictions.jsonl (the report's schema) as they are computed, and results.json (the report's, without
@@ -162,7 +188,7 @@ class Partial:
     failed partial write is logged once and the run goes on: the final report may still fit."""
 
     def __init__(self, out):
-        self.folder = out.parent / f"{out.name}.partial"
+        self.folder = partial_folder(out)
         self.failed = None
         self._write(lambda: self.folder.mkdir(parents=True, exist_ok=True))
         self._write(lambda: (self.folder / "predictions.jsonl").write_text(""))
@@ -192,10 +218,7 @@ class Partial:
         self._write(write)
 
     def remove(self) -> None:
-        for name in ("predictions.jsonl", "results.json"):
-            (self.folder / name).unlink(missing_ok=True)
-        if self.folder.exists() and not any(self.folder.iterdir()):
-            self.folder.rmdir()
+        remove_partial(self.folder)
 
     def _write(self, write) -> None:
         try:
@@ -211,18 +234,39 @@ def write_report(out, results: dict, partial: Partial) -> None:
     try:
         report.write(out, results)
     except OSError as e:
-        kept = (
-            f"the results are in {partial.folder} (results.json, predictions.jsonl)"
-            if partial.failed is None
-            else f"the results so far could not be kept either ({partial.failed})"
-        )
-        raise MotJaxError(f"Could not write the report to {out} ({cause(e)}); {kept}. Free space and rerun.") from None
+        kept = partial.folder if partial.failed is None else keep_elsewhere(results)
+        raise MotJaxError(
+            f"Could not write the report to {out} ({cause(e)}); the results are in {kept} (results.json, "
+            f"predictions.jsonl); {outputs.write_fix(e)} and rerun."
+        ) from None
     partial.remove()
+
+
+def keep_elsewhere(results: dict) -> str:
+    """results.json and predictions.jsonl of `results` in a new folder of the system's temporary directory, for when
+    neither the report nor OUT.partial could be written there (e.g. the folder became read-only); that folder."""
+    try:
+        folder = Path(tempfile.mkdtemp(prefix="mot_jax_eval_"))
+        clean, rows = report.split_predictions(results)
+        (folder / "results.json").write_text(json.dumps(clean, indent=2))
+        (folder / "predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    except OSError as e:
+        raise MotJaxError(f"Could not keep the results anywhere ({cause(e)}); free space and rerun.") from None
+    return str(folder)
 
 
 def evaluate(workdir, config: ml_collections.ConfigDict, compare=(), out=None) -> dict:
     """Evaluate the translator in `workdir` (and those in `compare`) with the baselines on `config`'s tasks; writes
-    results.json, results.md, predictions.jsonl and plots to `out` (default WORKDIR/eval) and returns the results."""
+    results.json, results.md, predictions.jsonl and plots to `out` (default WORKDIR/eval) and returns the results.
+    Stopped by Ctrl-C or SIGTERM, it says where the results so far are (`Interrupted`)."""
+    out = as_path(out or as_path(workdir) / "eval")
+    try:
+        return _evaluate(workdir, config, compare, out)
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (cli.run_or_exit raises it as Terminated)
+        raise Interrupted(kept_so_far(out), e) from None
+
+
+def _evaluate(workdir, config: ml_collections.ConfigDict, compare, out) -> dict:
     began = time.perf_counter()
     tasks = parse_list(config.tasks)
     unknown = sorted(set(tasks) - set(TASKS))
@@ -236,8 +280,7 @@ def evaluate(workdir, config: ml_collections.ConfigDict, compare=(), out=None) -
     if config.chat_template not in CHAT_SETTINGS:
         raise MotJaxError(f"chat_template={config.chat_template!r} is not one of {', '.join(CHAT_SETTINGS)}; pass one.")
     spans = band_spans(config.diagnose) if config.diagnose else None
-    out = as_path(out or as_path(workdir) / "eval")
-    outputs.check_replaceable(out)  # before minutes of evaluation
+    outputs.check_output(out, report.TOOL)  # before minutes of evaluation
     if config.pair:  # the baselines on a named pair, no trained translator
         pair = parse_list(config.pair)
         if len(pair) != 2 or compare:

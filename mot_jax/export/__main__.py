@@ -13,6 +13,7 @@ from __future__ import annotations
 from absl import app, flags, logging
 
 from mot_jax.cli import run_or_exit
+from mot_jax.errors import MotJaxError, cause
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Training workdir holding a finished checkpoint.")
 _OUT = flags.DEFINE_string("out", None, "Output folder (new, empty, or an earlier export, which it replaces).")
@@ -22,10 +23,10 @@ flags.mark_flags_as_required(["workdir", "out"])
 
 def export_workdir(workdir, out, which="last"):
     from mot_jax.export import weights
-    from mot_jax.outputs import check_replaceable
+    from mot_jax.outputs import check_output, write_fix
     from mot_jax.training.trained import load_trained
 
-    check_replaceable(out)  # before the checkpoint is read
+    check_output(out, weights.TOOL)  # before the checkpoint is read
     trained = load_trained(workdir, which)
     c = trained.config
     extra = dict(
@@ -37,7 +38,10 @@ def export_workdir(workdir, out, which="last"):
         channel_map=trained.meta["channel_map"],
         trained_steps=c.steps,
     )
-    return weights.export(trained.translator, trained.source_config, trained.target_config, out, extra), trained
+    try:
+        return weights.export(trained.translator, trained.source_config, trained.target_config, out, extra), trained
+    except OSError as e:  # a full disk, a folder made read-only meanwhile: nothing changed at `out`
+        raise MotJaxError(f"Could not write the export to {out} ({cause(e)}); {write_fix(e)} and rerun.") from None
 
 
 def main(argv):

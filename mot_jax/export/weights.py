@@ -21,6 +21,7 @@ from mot_jax.translate import kinds
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 FORMAT = "mot_jax.kv_translator"
+TOOL = "mot_jax.export"  # the writer its output folders name (mot_jax.outputs)
 
 
 def _config(model) -> ModelConfig:
@@ -95,7 +96,7 @@ def export(translator, source, target, folder, extra: dict | None = None) -> Pat
     folder = Path(folder)
     config = translator_config(translator, source, target) | (extra or {})
     tensors = translator_tensors(translator, source, target)
-    with written_folder(folder, "mot_jax.export") as staging:
+    with written_folder(folder, TOOL) as staging:
         save_file(tensors, str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
         (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     return folder

@@ -10,7 +10,8 @@ product; `rows.cc` streams the matrix once as stored (prefetched ahead), widenin
 
 The kernels are compiled on first use with the machine's C++ compiler (`-march=native`) into the shared cache
 (`$MOT_JAX_CACHE/kernels`, keyed by the sources, the compiler and its flags, jaxlib and the CPU), under a lock and
-renamed into place. Without a compiler (after one warning) XLA's paths run; `MOT_JAX_ATTENTION=xla` chooses XLA's
+renamed into place, its size and sha256 recorded beside it and checked before each load (a damaged one is
+rebuilt). Without a compiler (after one warning) XLA's paths run; `MOT_JAX_ATTENTION=xla` chooses XLA's
 attention (`layers.attention_reference`). On other backends XLA's paths are the ones lowered, and so they are in
 multi-process runs (the custom calls have no partitioning rule). Gradients go through XLA's paths (the kernels are
 forward only).
@@ -25,6 +26,8 @@ import hashlib
 import importlib.metadata
 import os
 import platform
+import re
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -35,6 +38,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mot_jax.errors import cause
+from mot_jax.files import atomic_file, remove_leftovers, sha256_of
 from mot_jax.paths import cache_lock, cache_root
 
 SOURCES = [Path(__file__).with_name(name) for name in ("common.h", "attention.cc", "rows.cc")]
@@ -64,26 +69,51 @@ def _cpu_signature() -> str:
 
 
 def _build(compiler: str) -> Path:
-    """The compiled library for these sources, compiler, jaxlib and CPU, built once into the shared cache."""
+    """The compiled library for these sources, compiler, jaxlib and CPU, built once into the shared cache. Its size
+    and sha256 are recorded beside it (`.so.sha256`) and checked before it is returned: a library cut short (a full
+    disk, a killed copy) would crash the process that loads it (SIGBUS), so a damaged one is built again."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     flags = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC"]
     texts = [source.read_text() for source in SOURCES]
     key = "\0".join([*texts, version, *flags, importlib.metadata.version("jaxlib"), _cpu_signature()])
     key = hashlib.sha256(key.encode()).hexdigest()[:16]
     library = cache_root() / "kernels" / f"kernels-{key}.so"
-    if library.exists():
+    if _damage(library) is None:
         return library
     with cache_lock(library):
-        if library.exists():
+        damage = _damage(library)
+        if damage is None:
             return library
-        library.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
-            built = Path(scratch) / library.name
+        if library.exists() and _record(library).exists():  # neither a first build nor one from before the records
+            warnings.warn(f"mot_jax: the cached CPU kernel library {library} {damage}; building it again", stacklevel=3)
+        for entry in (library, _record(library)):
+            remove_leftovers(entry)  # a killed build's
+        with atomic_file(library) as built:
             sources = [str(source) for source in SOURCES if source.suffix == ".cc"]
             command = [compiler, *flags, "-I", jax.ffi.include_dir(), *sources, "-o", str(built)]
             subprocess.run(command, capture_output=True, text=True, check=True)
-            os.replace(built, library)
+            with atomic_file(_record(library)) as record:  # first the record, then the library it describes
+                record.write_text(f"{built.stat().st_size} {sha256_of(built)}\n")
     return library
+
+
+def _record(library: Path) -> Path:
+    return library.with_name(library.name + ".sha256")
+
+
+def _damage(library: Path) -> str | None:
+    """None when `library` is whole (its size and sha256 those recorded beside it), else what is wrong with it."""
+    if not library.exists():
+        return "is missing"
+    try:
+        size, digest = _record(library).read_text().split()
+    except (OSError, ValueError):
+        return "has no readable record of its size and hash"
+    if library.stat().st_size != int(size):
+        return f"is damaged ({library.stat().st_size} bytes, {size} recorded)"
+    if sha256_of(library) != digest:
+        return "is damaged (its sha256 differs from the one recorded)"
+    return None
 
 
 @functools.cache
@@ -97,10 +127,27 @@ def available() -> bool:
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.MotAttention), platform="cpu")
         jax.ffi.register_ffi_target(ROWS_TARGET, jax.ffi.pycapsule(library.MotRows), platform="cpu")
     except (OSError, RuntimeError, AttributeError, subprocess.CalledProcessError) as e:
-        detail = getattr(e, "stderr", None) or e
-        warnings.warn(f"mot_jax: the CPU kernels are unavailable, using XLA's paths ({detail})", stacklevel=2)
+        warnings.warn(f"mot_jax: the CPU kernels are unavailable, using XLA's paths: {_reason(e)}", stacklevel=2)
         return False
     return True
+
+
+def _reason(e: Exception) -> str:
+    """Why the kernels could not be had, in one line: a failed compile's first error line (its cause, e.g. a full
+    disk), its whole output saved to a log file the line names."""
+    output = getattr(e, "stderr", None)
+    if not output:
+        return cause(e)
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    first = next((line for line in lines if re.search(r"\b(error|failed)\b", line, re.IGNORECASE)), lines[-1])
+    try:
+        fd, log = tempfile.mkstemp(prefix="mot_jax_kernels_build_", suffix=".log")
+        with os.fdopen(fd, "w") as f:
+            f.write(f"{shlex.join(e.cmd)}\n\n{output}")
+        where = f"the compiler's full output is in {log}"
+    except OSError as log_error:
+        where = f"its full output could not be saved ({cause(log_error)})"
+    return f"{first} ({where})"
 
 
 def supports(q, k, v, softcap) -> bool:

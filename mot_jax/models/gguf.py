@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from mot_jax.errors import MotJaxError
-from mot_jax.files import atomic_folder, sha256_of
+from mot_jax.files import atomic_folder, follow_umask, remove_leftovers, sha256_of
 from mot_jax.models import registry
 from mot_jax.models.embedded import EMBEDDED, embedded_gguf_path
 from mot_jax.paths import cache_lock, cache_root
@@ -242,6 +242,7 @@ def _write_cache(cache_dir: Path, gguf_path: Path, config: dict, tensors: dict, 
             sums = {p.name: sha256_of(p) for p in sorted(partial.iterdir()) if p.is_file()}
             manifest = {"source": str(gguf_path), "format": FORMAT, "sha256": sums}
             (partial / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+            follow_umask(partial)  # readable by whoever may read the cache (safetensors writes 0600)
     except OSError:  # e.g. another process renamed its copy in first: fine when that copy is sound
         if cache_problem(cache_dir):
             raise
@@ -259,6 +260,7 @@ def convert(path, name: str | None = None, dtype="float32", load=True):
     problem = lambda: cache_problem(cache_dir) if cache_dir.exists() else _MISSING
     if problem():
         with cache_lock(cache_dir):  # another process may be converting it: wait, then look again
+            remove_leftovers(cache_dir)  # the staging folder of a conversion that was killed (hundreds of MB)
             if reason := problem():
                 if reason is not _MISSING:
                     message = f"The GGUF cache {cache_dir} is damaged ({reason}); rebuilding it from {path}."

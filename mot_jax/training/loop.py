@@ -22,7 +22,7 @@ from absl import logging
 from etils import epath
 
 from mot_jax import multihost
-from mot_jax.errors import MotJaxError, Terminated
+from mot_jax.errors import Interrupted, MotJaxError, cause
 from mot_jax.locks import file_lock
 from mot_jax.paths import as_path, cache_root
 from mot_jax.training import config as config_lib
@@ -44,12 +44,6 @@ from mot_jax.training.setup import (
 )
 from mot_jax.training.trainer import NonFinite, Trainer, count_params, fit, start_linear_skip
 from mot_jax.translate import channels
-
-
-class Interrupted(MotJaxError):
-    def __init__(self, message: str, terminated: bool):
-        super().__init__(message)
-        self.exit_status = 143 if terminated else 130  # the shell's status for SIGTERM, Ctrl-C
 
 
 def lock_name(process: int) -> str:
@@ -106,7 +100,10 @@ def train_and_evaluate(config, workdir) -> dict:
     mesh = make_mesh(config)
     workdir = as_path(workdir)
     made = not workdir.exists()
-    workdir.mkdir(parents=True, exist_ok=True)
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file of that name, a read-only disk
+        raise MotJaxError(f"Cannot make the workdir {workdir} ({cause(e)}); pass a folder for --workdir.") from None
     with workdir_lock(workdir), removed_on_failure_if_empty(workdir, made):
         multihost.check_shared(workdir)
         with multihost.prepare_lock(cache_root()):  # processes on one host: the first builds caches, the others read
@@ -220,9 +217,7 @@ def train_in(workdir, config, mesh, pair: Pair, datasets: Datasets, checkpoints:
             kept = f"checkpointed step {done}"
         else:
             kept = f"the last checkpoint is step {last_saved}" if last_saved else "no checkpoint was written"
-        stopped = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
-        message = f"{stopped} after step {done}; {kept} in {workdir}; run the same command to resume."
-        raise Interrupted(message, isinstance(e, Terminated)) from None
+        raise Interrupted(f"after step {done}; {kept} in {workdir}; run the same command to resume.", e) from None
     finally:
         logger.close()
     results = trainer.baselines(held_out, "Closing table, held-out") | dict(untrained=initial["held_out_ce"])

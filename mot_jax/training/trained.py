@@ -80,6 +80,13 @@ def load_trained(workdir, which: str | int = "last", **spec_changes) -> Trained:
     )
     restored = checkpoints.restore(state, step, which)
     checkpoints.close()
+    if not all(bool(jnp.isfinite(leaf).all()) for leaf in jax.tree.leaves(restored["params"])):
+        earlier = sorted(s for s in steps if s < step)
+        pick = f"pass an earlier step ({', '.join(map(str, earlier))})" if earlier else "train again"
+        raise MotJaxError(
+            f"The checkpoint of step {step} in {path} holds non-finite weights (NaN or inf: the run diverged); {pick}, "
+            "e.g. with a lower --config.optim.learning_rate."
+        )
     return Trained(
         translator=nnx.merge(graphdef, restored["params"]),
         config=config,

@@ -7,6 +7,7 @@ Evaluation shares `read_source` and `translate_jit`.
 from __future__ import annotations
 
 import dataclasses
+import reprlib
 
 import jax
 import jax.numpy as jnp
@@ -120,6 +121,16 @@ def read_source(
     return SourceRead(source_ids, source_mask, alignment, cache, topk)
 
 
+def check_capacity(capacity, tokens: int) -> None:
+    """`capacity` (None: the context's length) must be a whole number of cache slots that holds the `tokens`."""
+    whole = isinstance(capacity, int | np.integer) and not isinstance(capacity, bool)
+    if capacity is not None and (not whole or capacity < tokens):
+        raise MotJaxError(
+            f"capacity={capacity!r} cannot hold the context's {tokens} tokens; pass a whole number of cache slots "
+            f">= {tokens} (the context, plus room for what follows it), or None for the context alone."
+        )
+
+
 class CacheTranslator:
     """Turns source text (or a source cache) into a target cache ready for the target's generation, for a batch.
 
@@ -141,6 +152,10 @@ class CacheTranslator:
 
     def from_text(self, texts, capacity=None):
         """(target cache, target ids [B, T], target mask [B, T]) for a batch of context texts."""
+        if not isinstance(texts, list | tuple) or not all(isinstance(t, str) for t in texts):
+            raise MotJaxError(
+                f"texts={reprlib.repr(texts)} is not a list of strings; pass a list of context texts ([text] for one)."
+            )
         if not texts or any(not t.strip() for t in texts):
             raise MotJaxError("Every context text must be non-empty; drop empty examples before translating.")
         ids, mask = alignment_lib.encode_texts(self.target_tokenizer, texts)
@@ -163,6 +178,7 @@ class CacheTranslator:
                 "contexts were given; pass one target context per source sequence."
             )
         ids, mask, side = jnp.asarray(target_ids), jnp.asarray(target_mask), None
+        check_capacity(capacity, ids.shape[1])
         if self.recompute:  # the target's own bottom once: for the translation and the recomputation
             capacity = capacity or ids.shape[1]
             bottom = bottom_run_jit(
