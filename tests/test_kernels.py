@@ -93,7 +93,7 @@ def test_gradients_are_xlas_and_scale_may_be_traced():
     def loss(attend, q, k, v, scale):
         return jnp.sum(attend(q, k, v, *args[3:], scale=scale, window=30) * cotangent)
 
-    got = jax.jit(jax.grad(lambda *a: loss(layers.attention, *a), argnums=(0, 1, 2, 3)))(*args[:3], 0.25)
+    got = jax.jit(jax.grad(lambda *a: loss(entry, *a), argnums=(0, 1, 2, 3)))(*args[:3], 0.25)
     want = jax.grad(lambda *a: loss(reference, *a), argnums=(0, 1, 2, 3))(*args[:3], 0.25)
     for g, w in zip(got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-5, rtol=1e-4)

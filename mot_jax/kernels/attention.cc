@@ -1,7 +1,7 @@
 // Fused causal-by-position attention for XLA:CPU, flash style: the scores of a block of queries against a tile of
 // keys live in a small buffer and are softmaxed online, never written out as a [T, S] array (what XLA:CPU does).
 //
-// Semantics are those of `mot_jax.models.layers.attention` (allowed=None): q [B, T, H, d]; k, v [B, K, S, d];
+// Semantics are those of `mot_jax.models.attention.attend` (no `allowed` key set): q [B, T, H, d]; k, v [B, K, S, d];
 // q_pos [B, T], k_pos [B, S] int32; k_valid [B, S] bool; window (int32) and scale (float32) scalars. A key is
 // visible to a query when it is valid, not after it (q_pos - k_pos >= 0) and less than `window` positions behind
 // it; logits are (q . k) * scale, optionally soft-capped (softcap > 0: tanh(x / softcap) * softcap); a query with no

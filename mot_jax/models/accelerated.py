@@ -1,11 +1,12 @@
 """Fused attention on accelerators: Pallas splash attention on TPU, cuDNN's flash attention on GPU.
 
-Both take `layers.attention`'s arguments (q [B, T, H, d]; k, v [B, K, S, d] with H = K * G; q_pos [B, T];
-k_pos, k_valid [B, S]; `window` in positions, `layers.GLOBAL_WINDOW` for global attention) and return [B, T, H * d].
-Each has a predicate saying when it applies; the model's attention entry point chooses among them by backend.
+Both take the arguments of XLA's attention (`layers.attention_reference`: q [B, T, H, d]; k, v [B, K, S, d] with
+H = K * G; q_pos [B, T]; k_pos, k_valid [B, S]; `window` in positions, `layers.GLOBAL_WINDOW` for global attention)
+and return [B, T, H * d]. Each has a predicate saying when it applies; the models' attention entry
+(`attention.attend`) chooses among them by backend.
 
 - `gpu_attention` passes the exact position mask (valid, k_pos <= q_pos, q_pos - k_pos < window) to cuDNN as a
-  [B, 1, T, S] bias, so it equals `layers.attention` for any positions, rows with no visible key included (those
+  [B, 1, T, S] bias, so it equals XLA's attention for any positions, rows with no visible key included (those
   attend uniformly to all S keys, as there). The bias costs T * S entries a row, far less than the [B, H, T, S]
   float32 scores XLA's path writes.
 - `tpu_attention` (splash) can only express a mask by slot index, fixed when tracing: a query at slot
@@ -78,7 +79,7 @@ def tpu_attention(
     head_axes=None,
     interpret=False,
 ):
-    """`layers.attention` through Pallas splash attention (module docstring: the slot layout it assumes).
+    """`layers.attention_reference` through Pallas splash attention (module docstring: the slot layout it assumes).
 
     q_pos and k_pos are not read: the mask is by slot (`q_offset`: the slot of the first query among the keys).
     `window`: a Python int, or a traced scalar equal to one of `window_choices` (each compiled, one run).
@@ -211,10 +212,10 @@ def _gpu_max_head() -> int:
 
 
 def gpu_attention(q, k, v, q_pos, k_pos, k_valid, *, scale, window=GLOBAL_WINDOW, softcap=None, implementation="cudnn"):
-    """`layers.attention` through `jax.nn.dot_product_attention` (cuDNN by default; `implementation="xla"` runs
+    """XLA's attention through `jax.nn.dot_product_attention` (cuDNN by default; `implementation="xla"` runs
     the same call anywhere). The position mask goes in whole, so any positions work (module docstring)."""
     if softcap is not None:
-        raise ValueError("gpu_attention: cuDNN's flash attention has no logit softcap; use layers.attention.")
+        raise ValueError("gpu_attention: cuDNN's flash attention has no logit softcap; use attention.xla_attention.")
     delta = q_pos[:, :, None] - k_pos[:, None, :]  # [B, T, S]
     visible = k_valid[:, None, :] & (delta >= 0) & (delta < window)
     out = jax.nn.dot_product_attention(
@@ -225,7 +226,7 @@ def gpu_attention(q, k, v, q_pos, k_pos, k_valid, *, scale, window=GLOBAL_WINDOW
         scale=scale,
         implementation=implementation,
     )
-    # a row with no visible key attends uniformly to all S keys, as `layers.attention` does (its finite mask value)
+    # a row with no visible key attends uniformly to all S keys, as `layers.attention_reference` does (its finite mask value)
     uniform = jnp.repeat(v.astype(jnp.float32).mean(axis=2), q.shape[2] // k.shape[1], axis=1)  # [B, H, d]
     out = jnp.where(visible.any(-1)[:, :, None, None], out, uniform[:, None].astype(out.dtype))
     return out.reshape(*q.shape[:2], -1)
