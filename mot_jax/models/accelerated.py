@@ -226,7 +226,7 @@ def gpu_attention(q, k, v, q_pos, k_pos, k_valid, *, scale, window=GLOBAL_WINDOW
         scale=scale,
         implementation=implementation,
     )
-    # a row with no visible key attends uniformly to all S keys, as `layers.attention_reference` does (its finite mask value)
+    # a row with no visible key attends uniformly to all S keys, as XLA's attention does (its finite mask value)
     uniform = jnp.repeat(v.astype(jnp.float32).mean(axis=2), q.shape[2] // k.shape[1], axis=1)  # [B, H, d]
     out = jnp.where(visible.any(-1)[:, :, None, None], out, uniform[:, None].astype(out.dtype))
     return out.reshape(*q.shape[:2], -1)
