@@ -114,3 +114,20 @@ def test_the_entry_hands_each_query_blocks_weights_to_the_caller(monkeypatch):
     weights = np.concatenate([np.pad(p, [(0, 0)] * 4 + [(0, 4 - p.shape[-1])]) for _, p in seen], axis=3)[0, 0, 0]
     np.testing.assert_allclose(weights, np.tril(np.ones((4, 4))) / np.arange(1, 5)[:, None], rtol=1e-6)
     np.testing.assert_allclose(out, np.ones((1, 4, 16)), rtol=1e-6)
+
+
+def test_remat_recomputes_the_layers_in_the_backward_pass_with_the_same_gradients(model, monkeypatch):
+    """The gradient of a loss through the layer scan (as a translator's gradient flows through the target's replay)
+    equals the one without rematerialisation, and the differentiated program does recompute (a remat'd scan body)."""
+    ids = jax.random.randint(jax.random.key(4), (2, 9), 3, model.config.vocab_size)
+    x = model.embed(ids, jnp.tile(jnp.arange(9), (2, 1)))
+
+    def loss(scale):
+        return jnp.sum(model.run_layers(Forward(ids, embeddings=x * scale)).hidden ** 2)
+
+    want = jax.grad(loss)(1.5)
+    assert "remat" not in str(jax.make_jaxpr(jax.grad(loss))(1.5))
+    for policy in ("dots", "nothing"):
+        monkeypatch.setattr(model, "remat", policy)
+        assert "remat" in str(jax.make_jaxpr(jax.grad(loss))(1.5))
+        np.testing.assert_allclose(jax.grad(loss)(1.5), want, rtol=1e-5)

@@ -16,6 +16,13 @@ from mot_jax.models.cache import KVCache
 from mot_jax.models.hooks import AttentionRead, Forward, LayerHook, LayerRecord, LayerRun
 from mot_jax.models.layers import GLOBAL_WINDOW, bf16_as_bits, bits_as_bf16
 
+# `CausalLM.remat`: what the backward pass keeps of each layer's forward (the rest it recomputes), by name; None keeps
+# everything. "dots": the matmul outputs without batch dimensions (the projections, not attention's scores).
+REMAT_POLICIES = {
+    "none": None,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "nothing": jax.checkpoint_policies.nothing_saveable,
+}
 # Families whose cached keys carry RoPE (decoder.RotaryLM); GPT-2 and OPT add learned position embeddings instead.
 ROTARY_FAMILIES = ("qwen2", "qwen3", "llama", "gemma3")
 
@@ -158,6 +165,7 @@ class CausalLM(nnx.Module):
     """
 
     config: ModelConfig
+    remat: str = "none"  # a REMAT_POLICIES name for the layer scan (training a translator through a large target)
 
     def init_cache(self, batch, capacity, dtype=None):
         cfg = self.config
@@ -222,6 +230,8 @@ class CausalLM(nnx.Module):
         stop = self.config.num_layers if forward.stop is None else forward.stop
         if forward.weights is None:
             xs = jax.tree.map(lambda a: a[:stop], (bf16_as_bits(stacked), jnp.arange(self.config.num_layers)))
+            if self.remat != "none":  # backward: recompute a layer from its input, keep what the policy saves
+                body = jax.checkpoint(body, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
             (x, k, v), records = jax.lax.scan(body, (x, cache.k, cache.v), xs)
         else:
             carry, ys = (x, cache.k, cache.v), []
