@@ -277,8 +277,8 @@ def bench_ttft(plan: Plan) -> Section:
     if direct and 2048 in lengths:
         ratio = ratios[direct.name, target][lengths.index(2048)]
         notes.append(goal_note("direct at most half of native prefill at 2,048 tokens", ratio, 0.5, False))
-    replays = [m.name for m in translated if m.translator.spec.mode == "replay" and not m.translator.spec.layer_inputs]
-    if replays:  # MoT-h (layer_inputs) runs one dense forward, not a replay after the translation
+    replays = [m.name for m in translated if m.translator.spec.replays_kv]
+    if replays:  # MoT-h runs one dense forward with its inputs replaced, not a replay after the translation
         spans = ", ".join(f"{name} {span(ratios[name, target])}" for name in replays)
         notes.append(
             f"Replay / native: {spans}; replay re-reads the context through the target after the translation, so it "

@@ -92,7 +92,7 @@ def trained_methods(workdirs, which: str, replay_attention="trained"):
         pair = names
         trained_spec = trained.translator.spec
         seen = []
-        replays = trained_spec.mode == "replay" and not trained_spec.layer_inputs  # MoT-h's forward is dense
+        replays = trained_spec.replays_kv  # MoT-h's replay is a dense forward with its inputs replaced
         for changes in attentions if replays else [{}]:
             if changes:
                 trained = load_trained(workdir, which, **changes)

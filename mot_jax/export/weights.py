@@ -69,7 +69,7 @@ def translator_config(translator, source, target) -> dict:
             "to export; serve the target reading its context itself (native)."
         )
     target_cfg = _config(target)
-    if spec.outputs == "hidden" and not target_cfg.rotary:
+    if spec.kv_from_hidden and not target_cfg.rotary:
         raise MotJaxError(
             f"The PyTorch export of outputs='hidden' covers rotary targets (Llama, Qwen2, Qwen3, Gemma-3), not "
             f"{target_cfg.family!r}; evaluate this translator in JAX or train it with outputs='kv'."

@@ -158,7 +158,7 @@ def train_in(workdir, config, mesh, pair: Pair, datasets: Datasets, checkpoints:
     else:
         if tcfg.linear_skip:
             t = config.translator
-            start_linear_skip(trainer, datasets.train, t.skip_fit_batches, t.get("skip_ridge_held_out", 0))
+            start_linear_skip(trainer, datasets.train, t.skip_fit_batches, t.skip_ridge_held_out)
         initial = trainer.evaluate(validation, progress="Validation loss, untrained") | dict(
             held_out_ce=trainer.evaluate(held_out, progress="Held-out CE, untrained")["ce"],
             held_out_retrieval_ce=trainer.evaluate(retrieval, progress="Held-out retrieval CE, untrained")["ce"],
@@ -226,9 +226,8 @@ def train_in(workdir, config, mesh, pair: Pair, datasets: Datasets, checkpoints:
     finally:
         logger.close()
     results = trainer.baselines(held_out, "Closing table, held-out") | dict(untrained=initial["held_out_ce"])
-    # a run resumed from a checkpoint written before the retrieval rows existed has no untrained retrieval CE
     retrieval_ce = trainer.baselines(retrieval, "Closing table, retrieval rows")
-    results["retrieval"] = retrieval_ce | dict(untrained=initial.get("held_out_retrieval_ce"))
+    results["retrieval"] = retrieval_ce | dict(untrained=initial["held_out_retrieval_ce"])
     summary = dict(
         steps=config.steps,
         seconds=round(time.perf_counter() - began, 1),

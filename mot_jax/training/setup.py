@@ -145,10 +145,7 @@ def identity(config, spec: TranslationSpec, tcfg: TranslatorConfig, pair: Pair) 
 
 
 def check_identity(saved: dict, current: dict, workdir: epath.Path):
-    saved = saved | {
-        "translator": TranslatorConfig.with_added_fields(saved.get("translator", {})),
-        "spec": TranslationSpec.with_added_fields(saved.get("spec", {})),
-    }
+    """Refuse to resume a run whose identity (`Checkpoints.read_meta`'s, upgraded) differs from this config's."""
     differ = sorted(k for k in current if saved.get(k) != current[k])
     if differ:
         raise MotJaxError(

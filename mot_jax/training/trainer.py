@@ -195,7 +195,7 @@ class Trainer:
         `ridge` and (with held-out batches) the `held_out` error [G, W] of each ridge of the grid, before the refit."""
         totals = self.skip_statistics(batches)
         held = self.skip_statistics(held_out)
-        ridge = self.config.translator.get("skip_ridge", 1e-3)  # runs saved before the key: its default
+        ridge = self.config.translator.skip_ridge
         translator = nnx.merge(self.graphdef, self.state["params"])
         results = {}
         for name in ("key", "value"):

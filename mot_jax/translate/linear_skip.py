@@ -37,7 +37,7 @@ def linear_skip_sums(
     spec = translator.spec
     _, features = run_native_bottom(spec, target, target_ids, mask, target.init_cache(*target_ids.shape))
     *own, shared = window_parts(spec, source, target, source_cache, alignment, features)
-    if spec.outputs == "hidden":  # the window layers' native inputs, RMS-normalised (their norms ignore the scale)
+    if spec.kv_from_hidden:  # the window layers' native inputs, RMS-normalised (their norms ignore the scale)
         every = target.run_layers(target_ids, mask, stop=max(spec.target_layers) + 1, layer_inputs=True)[3]
         layer_input = rms_normalized(every[jnp.asarray(spec.target_layers)].transpose(1, 2, 0, 3))
         wanted = (layer_input, layer_input)

@@ -49,7 +49,7 @@ from mot_jax.errors import MotJaxError
 from mot_jax.models.layers import LayerNorm, Linear
 from mot_jax.translate import channels
 from mot_jax.translate.expert import EPS, CrossAttentionBlocks, chain, gelu, output_head, torch_std
-from mot_jax.translate.kinds import Kind, register
+from mot_jax.translate.kinds import Kind, refuse, register
 from mot_jax.translate.window import to_cache, window_block, window_inputs
 
 if TYPE_CHECKING:  # the config asks the kinds registry, which imports this module
@@ -150,9 +150,7 @@ def check_fusable(spec, cfg: TranslatorConfig):
         (spec.rotary, "adds residuals to the receiver's rotated keys; set rotary=False"),
         (cfg.linear_skip, "has no linear skip; set linear_skip=False"),
     )
-    for refused, why in refusals:
-        if refused:
-            raise MotJaxError(f"kind='c2c' {why}.")
+    refuse("c2c", refusals)
 
 
 def fuse(translator, own_k, own_v, k, v, mask, noise=None):
@@ -214,5 +212,7 @@ register(
         receiver=True,
         recipe={"translator.mode": "direct", "loss.correction_weight": 0.0},  # the reference's loss: the suffix CE
         noise=gate_noises,
+        torch={"key": "Fuser", "value": "Fuser"},
+        torch_call="fuse_window",  # with the target's own cache of the context
     )
 )

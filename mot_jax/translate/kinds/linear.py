@@ -37,5 +37,6 @@ register(
         build=build,
         check=check,
         recipe={"translator.linear_skip": True},
+        torch={"key": "NoMixture", "value": "NoMixture"},
     )
 )

@@ -58,5 +58,6 @@ register(
         build=lambda spec, cfg, rngs, dtype: {
             part: Projector(cfg, rngs=rngs, dtype=dtype) for part in ("key", "value")
         },
+        torch={"key": "Projector", "value": "Projector"},
     )
 )
