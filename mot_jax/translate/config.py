@@ -14,7 +14,8 @@ class TranslatorConfig:
     """Shape and switches of one K or V mixture. Paper defaults: dim 1024, 16 heads, depth 2, mlp_ratio 4, N=2, k=1.
 
     The fields every kind shares; a kind's own fields (`Kind.fields`, e.g. LSC's `shared_slots`) are passed and read
-    like these (`cfg.shared_slots`) and held in `options` (`kinds.translator_config` adds their defaults). A projector (`kind="projector"`) reads only the widths,
+    like these (`cfg.shared_slots`) and held in `options` (`kinds.translator_config` adds their defaults). A
+    projector (`kind="projector"`) reads only the widths,
     window, `dim` and `output_activation`.
     """
 
