@@ -24,7 +24,7 @@ from mot_jax.export.weights import export, translator_config, translator_tensors
 from mot_jax.jit import jit
 from mot_jax.models import tiny
 from mot_jax.models.registry import FAMILIES, build_model
-from mot_jax.translate import channels, kinds
+from mot_jax.translate import channels
 from mot_jax.translate.align import align_batch
 from mot_jax.translate.config import TranslatorConfig
 from mot_jax.translate.spec import TranslationSpec
