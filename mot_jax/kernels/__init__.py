@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mot_jax.errors import MotJaxError
 from mot_jax.paths import cache_lock, cache_root
 
 SOURCES = [Path(__file__).with_name(name) for name in ("common.h", "attention.cc", "rows.cc")]
@@ -103,9 +104,23 @@ def available() -> bool:
     return True
 
 
+ATTENTION_CHOICES = ("fused", "xla")  # MOT_JAX_ATTENTION: the kernel where it applies (default), or XLA's always
+
+
+def attention_choice() -> str:
+    """MOT_JAX_ATTENTION, refused in one line when it names no choice (rather than taken as the default)."""
+    choice = os.environ.get("MOT_JAX_ATTENTION", "fused")
+    if choice not in ATTENTION_CHOICES:
+        raise MotJaxError(
+            f"MOT_JAX_ATTENTION={choice!r} is not one of {', '.join(ATTENTION_CHOICES)}; unset it (the kernel) or "
+            "set MOT_JAX_ATTENTION=xla (XLA's attention)."
+        )
+    return choice
+
+
 def supports(q, k, v, softcap) -> bool:
     """Whether `attention` can take these inputs (else the caller uses the reference path)."""
-    dtype = q.dtype
+    dtype, choice = q.dtype, attention_choice()
     return (
         k.dtype == dtype
         and v.dtype == dtype
@@ -113,7 +128,7 @@ def supports(q, k, v, softcap) -> bool:
         and k.shape[-1] == v.shape[-1] == q.shape[-1]
         and (softcap is None or softcap > 0)
         and not _xla_only
-        and os.environ.get("MOT_JAX_ATTENTION", "fused") != "xla"
+        and choice != "xla"
         and jax.process_count() == 1  # it has no partitioning rule: across processes XLA's collectives stay XLA's
         and available()
     )
