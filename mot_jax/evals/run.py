@@ -45,7 +45,7 @@ from mot_jax.evals.methods import (
     bands,
     method_name,
 )
-from mot_jax.evals.prompts import CHAT_SETTINGS, Settings, chat_turns, is_closed, target_chat
+from mot_jax.evals.prompts import CHAT_SETTINGS, Settings, chat_turns, context_cuts, is_closed, target_chat
 from mot_jax.evals.tasks import add_paired_controls, add_retention, evaluate_agents, evaluate_examples
 from mot_jax.files import atomic_file
 from mot_jax.paths import as_path
@@ -304,6 +304,9 @@ def evaluate(workdir, config: ml_collections.ConfigDict, compare=(), out=None) -
                 add_paired_controls(scores)
             metric = "accuracy" if is_closed(items) else "f1"
             results["tasks"][task] = dict(examples=len(items), methods=add_retention(scores, metric))
+            cuts = context_cuts(models, items, settings)
+            if cuts:  # contexts longer than the target reads: the report says so
+                results["tasks"][task]["cut"] = cuts
         partial.results(results)
     if lengths:
         ttft = ttft_setup(models, lengths, config.max_new_tokens, config.seed)
