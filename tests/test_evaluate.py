@@ -149,7 +149,7 @@ def test_contexts_cut_to_fit_the_target_are_counted_and_reported(pair):
     assert cuts == dict(examples=1, of=3, most_tokens=over[1], mean_tokens=float(over[1]))
     assert context_cuts(pair, [examples[0], examples[2]], SETTINGS) is None
     note = report.cut_note(cuts)
-    assert note.startswith(f"1 of 3 examples' contexts were cut to fit the target's positions") and str(over[1]) in note
+    assert note.startswith("1 of 3 examples' contexts were cut to fit the target's positions") and str(over[1]) in note
     scores = add_paired_controls(add_retention(evaluate_examples(pair, [Native()], examples, SETTINGS), "f1"))
     meta = dict(methods={}, source="s", target="t", dtype="float32", data="synthetic", machine="m", seconds=1.0)
     task = dict(examples=3, methods=scores, cut=cuts)

@@ -46,7 +46,6 @@ interlat`, as the reference).
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -55,11 +54,9 @@ from flax import nnx
 from mot_jax.models.base import first_valid_index
 from mot_jax.models.layers import MASK_VALUE, LayerNorm, Linear, einsum
 from mot_jax.translate import align as alignment_lib
+from mot_jax.translate.config import TranslatorConfig
 from mot_jax.translate.expert import EPS, gelu, torch_std
-from mot_jax.translate.kinds import LAST_HIDDEN, Kind, Outputs, refuse, register
-
-if TYPE_CHECKING:  # the config asks the kinds registry, which imports this module
-    from mot_jax.translate.config import TranslatorConfig
+from mot_jax.translate.kinds.registry import LAST_HIDDEN, Kind, Outputs, refuse, register
 
 DROPOUT = 0.1  # on the adapter's attention weights, in training
 CLIP = 10.0  # the adapter's outputs are clipped to [-CLIP, CLIP]

@@ -33,18 +33,15 @@ translators (`translator.py`).
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 import jax.numpy as jnp
 from flax import nnx
 
 from mot_jax.errors import MotJaxError
 from mot_jax.models.layers import LayerNorm, Linear
+from mot_jax.translate.config import TranslatorConfig
 from mot_jax.translate.expert import EPS, CrossAttentionBlocks, chain, gelu, output_head, torch_std
-from mot_jax.translate.kinds import Kind, refuse, register
-
-if TYPE_CHECKING:  # the config asks the kinds registry, which imports this module
-    from mot_jax.translate.config import TranslatorConfig
+from mot_jax.translate.kinds.registry import Kind, refuse, register
 
 
 class LocalToShared(nnx.Module):

@@ -29,7 +29,7 @@ import numpy as np
 
 from mot_jax.models.base import Injection, first_valid_index
 from mot_jax.translate import align as alignment_lib
-from mot_jax.translate.kinds import LAYER_INPUTS, Kind, Outputs, refuse, register
+from mot_jax.translate.kinds.registry import LAYER_INPUTS, Kind, Outputs, refuse, register
 from mot_jax.translate.mixture import MixtureOfTranslators
 from mot_jax.translate.window import window_block
 
