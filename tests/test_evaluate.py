@@ -48,9 +48,9 @@ from mot_jax.evals.prompts import (
 from mot_jax.evals.tasks import add_paired_controls, add_retention, evaluate_agents, evaluate_examples
 from mot_jax.jit import jit
 from mot_jax.models.generation import LINE_BREAK, LINE_TEXT, generate
+from mot_jax.models.model_pair import load_pair
 from mot_jax.progress import Progress
 from mot_jax.training.config import base, tiny
-from mot_jax.training.setup import load_pair
 from mot_jax.translate import align as alignment_lib
 from mot_jax.translate.spec import TranslationSpec
 from mot_jax.translate.translator import KVTranslator, mixture_config

@@ -23,6 +23,7 @@ from mot_jax.evals.methods import method_name
 from mot_jax.export import torch_translator
 from mot_jax.export.__main__ import export_workdir
 from mot_jax.export.weights import export
+from mot_jax.models.model_pair import load_pair
 from mot_jax.training import config as config_lib
 from mot_jax.training import setup
 from mot_jax.translate import channels, kinds
@@ -89,7 +90,7 @@ def tiny_config(kind, **overrides):
 def test_builds_and_translates_a_tiny_batch_into_the_targets_cache_from_the_source(kind):
     config = tiny_config(kind)
     assert config.translator.kind == kind.name and all(k in config.translator for k in kind.fields)
-    pair = setup.load_pair(config)
+    pair = load_pair(config)
     ls, lt = pair.source.config.num_layers, pair.target.config.num_layers
     channel_map = channels.terminal(ls, lt, config.translator.channels.ratio)
     spec, tcfg = setup.translation(config, channel_map, pair)
@@ -158,7 +159,7 @@ def test_the_throwaway_kind_exports_through_its_declarations(kind, tmp_path):
     if kind.no_export:
         pytest.skip(f"kind={kind.name!r} has no export: {kind.no_export}")
     config = tiny_config(kind)
-    pair = setup.load_pair(config)
+    pair = load_pair(config)
     channel_map = channels.terminal(pair.source.config.num_layers, pair.target.config.num_layers, 0.5)
     spec, tcfg = setup.translation(config, channel_map, pair)
     translator = KVTranslator(spec, tcfg, rngs=nnx.Rngs(0))
@@ -183,7 +184,7 @@ def test_a_kind_is_one_registered_file():
         assert THROWAWAY in kinds.names() and "throwaway_scale" in kinds.fields()
         config = load_config("smollm2_gemma3.py", f"{THROWAWAY},tiny", **{"translator.throwaway_scale": 3})
         assert method_name(config) == "throwaway x3"
-        pair = setup.load_pair(config)
+        pair = load_pair(config)
         spec, tcfg = setup.translation(config, None, pair)
         assert tcfg.throwaway_scale == 3 and tcfg.to_dict()["throwaway_scale"] == 3
         assert type(tcfg).from_dict(tcfg.to_dict()) == tcfg

@@ -48,9 +48,9 @@ from mot_jax.evals.methods import (
 from mot_jax.evals.prompts import CHAT_SETTINGS, Settings, chat_turns, context_cuts, is_closed, target_chat
 from mot_jax.evals.tasks import add_paired_controls, add_retention, evaluate_agents, evaluate_examples
 from mot_jax.files import atomic_file
+from mot_jax.models.model_pair import load_pair
 from mot_jax.paths import as_path
 from mot_jax.progress import Progress
-from mot_jax.training.setup import load_pair
 from mot_jax.training.trained import load_trained
 
 TASKS = datasets.TASKS

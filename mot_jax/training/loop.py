@@ -24,6 +24,7 @@ from etils import epath
 from mot_jax import multihost
 from mot_jax.errors import MotJaxError, Terminated
 from mot_jax.locks import file_lock
+from mot_jax.models.model_pair import ModelPair, load_pair
 from mot_jax.paths import as_path, cache_root
 from mot_jax.training import config as config_lib
 from mot_jax.training import data
@@ -33,11 +34,9 @@ from mot_jax.training.features import attach_features
 from mot_jax.training.report import Logger, closing_report
 from mot_jax.training.setup import (
     Datasets,
-    Pair,
     check_identity,
     config_changes,
     identity,
-    load_pair,
     make_datasets,
     make_mesh,
     translation,
@@ -119,7 +118,7 @@ def train_and_evaluate(config, workdir) -> dict:
             checkpoints.close()  # waits for the last save and stops Orbax's threads on every way out
 
 
-def train_in(workdir, config, mesh, pair: Pair, datasets: Datasets, checkpoints: Checkpoints) -> dict:
+def train_in(workdir, config, mesh, pair: ModelPair, datasets: Datasets, checkpoints: Checkpoints) -> dict:
     """train_and_evaluate once the workdir is locked and the models and data are loaded."""
     start = checkpoints.latest_step() or 0
     if config.steps < start:
