@@ -27,12 +27,13 @@ from mot_jax.models import gguf as mgguf
 from mot_jax.models import tiny
 from mot_jax.models.base import ModelConfig
 from mot_jax.models.generation import decode_step
+from mot_jax.models.model_pair import load_pair
 from mot_jax.models.registry import hf_state_dict
 from mot_jax.training import config as config_lib
 from mot_jax.training import loop
 from mot_jax.training.channel_search import resolve_channels
 from mot_jax.training.data import make_batch
-from mot_jax.training.setup import load_pair, translation
+from mot_jax.training.setup import translation
 from mot_jax.training.trained import load_trained
 from mot_jax.training.trainer import Trainer
 

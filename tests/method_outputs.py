@@ -23,13 +23,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from helpers import load_config, perturb, tiny_batch  # noqa: E402
 
+from mot_jax.training.setup import translation  # noqa: E402
 from mot_jax.translate import channels, kinds  # noqa: E402
 from mot_jax.translate.translator import KVTranslator, source_read, translate  # noqa: E402
 
-try:  # where the model pair is loaded (moved out of training)
-    from mot_jax.translate.pairs import load_pair, translation
+try:  # where the model pair is loaded (it moved out of training beside this script)
+    from mot_jax.models.model_pair import load_pair
 except ImportError:
-    from mot_jax.training.setup import load_pair, translation
+    from mot_jax.training.setup import load_pair
 
 
 DIAL = {"translator.mode": "direct", "translator.native_bottom": 2}

@@ -14,10 +14,11 @@ from hf_reference import CONFIGS, padded_batch, run_reference, save_tiny
 from mot_jax.jit import jit
 from mot_jax.models.cache import KVCache
 from mot_jax.models.loading import load_model
+from mot_jax.models.model_pair import load_pair
 from mot_jax.training import config as config_lib
 from mot_jax.training import objective
 from mot_jax.training.channel_search import resolve_channels
-from mot_jax.training.setup import load_pair, make_mesh, translation
+from mot_jax.training.setup import make_mesh, translation
 from mot_jax.training.trainer import Trainer
 from mot_jax.translate import channels
 from mot_jax.translate import translator as translator_lib

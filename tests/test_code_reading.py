@@ -11,7 +11,7 @@ import pytest
 
 from mot_jax.errors import MotJaxError
 from mot_jax.evals import code_reading
-from mot_jax.evals.code_reading import HELD_OUT, INSTRUCTION, KINDS, examples
+from mot_jax.evals.code_reading import HELD_OUT, INSTRUCTION, QUESTION_TYPES, examples
 from mot_jax.evals.datasets import load_examples
 from mot_jax.evals.jsonl import check
 
@@ -50,8 +50,8 @@ def test_examples_are_deterministic_seeded_and_independent_of_n():
 
 def test_every_answer_is_what_python_computes():
     items = examples(700, seed=0)
-    kinds = collections.Counter(e["id"].split("-")[1] for e in items)
-    assert set(kinds) == set(KINDS) and min(kinds.values()) > 0.6 * len(items) / len(KINDS)
+    types = collections.Counter(e["id"].split("-")[1] for e in items)
+    assert set(types) == set(QUESTION_TYPES) and min(types.values()) > 0.6 * len(items) / len(QUESTION_TYPES)
     for index, e in enumerate(items):
         assert check(e, "extractive_qa") is None and e["instruction"] == INSTRUCTION
         assert e["id"].startswith("code-") and e["id"].endswith(f"-{index}")

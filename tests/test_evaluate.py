@@ -36,6 +36,7 @@ from mot_jax.evals.prompts import (
     INSTRUCTIONS,
     Settings,
     batches,
+    context_cuts,
     decode_answers,
     donor_indices,
     is_closed,
@@ -45,12 +46,12 @@ from mot_jax.evals.prompts import (
     target_chat,
     token_ids,
 )
-from mot_jax.evals.tasks import add_paired_controls, evaluate_agents, evaluate_examples
+from mot_jax.evals.tasks import add_paired_controls, add_retention, evaluate_agents, evaluate_examples
 from mot_jax.jit import jit
 from mot_jax.models.generation import LINE_BREAK, LINE_TEXT, generate
+from mot_jax.models.model_pair import load_pair
 from mot_jax.progress import Progress
 from mot_jax.training.config import base, tiny
-from mot_jax.training.setup import load_pair
 from mot_jax.translate import align as alignment_lib
 from mot_jax.translate.spec import TranslationSpec
 from mot_jax.translate.translator import KVTranslator, mixture_config
@@ -131,6 +132,29 @@ def test_native_answers_equal_the_target_reading_the_whole_prompt(pair, chat):
                     start = len(prefix) + len(plain)
                     means.append(np.mean([logp[start - 1 + j, t] for j, t in enumerate(tokens)]))
                 assert prediction["likelihood_choice"] == example["choices"][int(np.argmax(means))]
+
+
+def test_contexts_cut_to_fit_the_target_are_counted_and_reported(pair):
+    """An extractive context longer than the target's positions is cut (as before); the report says how many
+    examples were and by how many tokens, counted from each prompt's own tokens and the model's limit."""
+    examples = synthetic.examples("extractive_qa", 3, seed=1)
+    examples[1] = examples[1] | {"context": " ".join([examples[1]["context"]] * 200)}  # far past the positions
+    limit = pair.target.config.max_positions
+    over = []
+    for example in examples:
+        prefix = token_ids(pair.target_tokenizer, [prefix_text(example, False)], True)[0]
+        suffix = token_ids(pair.target_tokenizer, [suffix_text(example)], False)[0]
+        over.append(max(0, len(prefix) - (limit - len(suffix) - SETTINGS.max_new_tokens)))
+    assert over[1] > 0 and over[0] == over[2] == 0
+    cuts = context_cuts(pair, examples, SETTINGS)
+    assert cuts == dict(examples=1, of=3, most_tokens=over[1], mean_tokens=float(over[1]))
+    assert context_cuts(pair, [examples[0], examples[2]], SETTINGS) is None
+    note = report.cut_note(cuts)
+    assert note.startswith("1 of 3 examples' contexts were cut to fit the target's positions") and str(over[1]) in note
+    scores = add_paired_controls(add_retention(evaluate_examples(pair, [Native()], examples, SETTINGS), "f1"))
+    meta = dict(methods={}, source="s", target="t", dtype="float32", data="synthetic", machine="m", seconds=1.0)
+    task = dict(examples=3, methods=scores, cut=cuts)
+    assert note in report.markdown(dict(meta=meta | dict(config=dict(max_new_tokens=6)), tasks={"extractive_qa": task}))
 
 
 def test_gold_log_probability_and_the_source_alone_equal_full_forwards(pair):

@@ -25,7 +25,7 @@ from mot_jax.jit import jit
 from mot_jax.models import tiny
 from mot_jax.models.hooks import Forward
 from mot_jax.models.registry import FAMILIES, build_model
-from mot_jax.translate import channels, kinds
+from mot_jax.translate import channels
 from mot_jax.translate.align import align_batch
 from mot_jax.translate.config import TranslatorConfig
 from mot_jax.translate.spec import TranslationSpec
@@ -294,20 +294,17 @@ def test_config_is_plain_json(models):
 
 
 def test_torch_config_mirrors_the_jax_fields_and_defaults():
-    # every field a JAX translator the torch side serves has (those kinds' own too, `Kind.fields`), name -> default
-    # (MISSING: required)
+    # every field every JAX translator has (a kind's own travel in `options`), name -> default (MISSING: required)
     jax_fields = {f.name: f.default for cls in (TranslatorConfig, TranslationSpec) for f in dataclasses.fields(cls)}
-    exported = [kinds.get(name) for name in kinds.names() if not kinds.get(name).no_export]
-    jax_fields = {k: v for k, v in jax_fields.items() if k != "options"} | {
-        k: v for kind in exported for k, v in kind.fields.items()
-    }
     torch_fields = {f.name: f.default for f in dataclasses.fields(torch_translator.TorchTranslatorConfig)}
     assert jax_fields.keys() <= torch_fields.keys()
-    # and the torch side adds the models' cache shapes, which translator_config writes beside the fields, and reads
-    # LSC's source_window from exports made before its spec gave it
+    # and the torch side adds the models' cache shapes, which translator_config writes beside the fields, and what
+    # the kind declares it builds, calls and reads (`Kind.torch`, `torch_call`, the spec's read)
     shapes = {f"{side}_{name}" for side in ("source", "target") for name in ("num_layers", "kv_heads", "head_dim")}
     shapes |= {"source_rotary", "target_rotary", "target_hidden_size", "source_hidden_size"}
-    assert torch_fields.keys() - jax_fields.keys() == shapes | {"source_window"}
+    declared = {"modules", "call", "source_reads", "kv_from_hidden"}
+    assert torch_fields.keys() - jax_fields.keys() == shapes | declared
+    jax_fields["options"] = torch_fields["options"] = MISSING  # a tuple of pairs in JAX, a dict in the JSON
     shared = jax_fields.keys() & torch_fields.keys()
     defaulted = {n for n in shared if jax_fields[n] is not MISSING}
     defaults = lambda fields: {n: fields[n] for n in defaulted}
@@ -316,6 +313,26 @@ def test_torch_config_mirrors_the_jax_fields_and_defaults():
     required = lambda fields: {n for n in shared if fields[n] is MISSING}
     assert required(jax_fields) - required(torch_fields) == {"mode", "layer_map"}
     assert not required(torch_fields) - required(jax_fields)
+
+
+def test_an_export_of_format_version_1_loads_as_today(exported, tmp_path):
+    """Version 1 named its kind only and wrote the kind's own fields at the top; it loads to today's config."""
+    folder = exported[0]
+    today = json.loads((folder / "config.json").read_text())
+    declared = ("modules", "call", "source_reads", "kv_from_hidden", "options")
+    old = {k: v for k, v in today.items() if k not in declared} | {"format_version": 1}
+    (tmp_path / "config.json").write_text(json.dumps(old))
+    (tmp_path / "model.safetensors").write_bytes((folder / "model.safetensors").read_bytes())
+    loaded = torch_translator.KVTranslator.from_pretrained(tmp_path)
+    assert loaded.config == torch_translator.TorchTranslatorConfig.from_dict(today)
+    lsc = torch_translator.TorchTranslatorConfig.upgrade_v1({"kind": "lsc", "shared_slots": 3, "shared_dim": 4})
+    assert lsc["options"] == {"shared_slots": 3, "shared_dim": 4} and lsc["modules"]["key"] == "LatentTranslator"
+    residual = torch_translator.TorchTranslatorConfig.upgrade_v1({"kind": "mot_h", "outputs": "residual"})
+    assert (residual["source_reads"], residual["call"], residual["modules"]) == (
+        "layer_inputs",
+        "translate_streams",
+        {"hidden": "Mixture"},
+    )
 
 
 def test_load_errors(exported, tmp_path):

@@ -12,6 +12,7 @@ from helpers import load_config, whole_and_resumed
 
 from mot_jax.errors import MotJaxError
 from mot_jax.jit import jit
+from mot_jax.models.model_pair import load_pair
 from mot_jax.training import config as config_lib
 from mot_jax.training import features, setup
 from mot_jax.training.channel_search import resolve_channels
@@ -40,7 +41,7 @@ def test_cached_features_and_step_equal_live(tmp_path, monkeypatch):
     (the frozen forwards inside it)."""
     monkeypatch.setattr(features, "cache_root", lambda: tmp_path)  # the corpus stays in the shared cache
     config = kv_config()
-    pair = setup.load_pair(config)
+    pair = load_pair(config)
     datasets = setup.make_datasets(config, pair)
     mesh = setup.make_mesh(config)
     spec, tcfg = setup.translation(config, resolve_channels(config, pair, datasets, mesh, None), pair)

@@ -20,7 +20,7 @@ from mot_jax.jit import jit
 from mot_jax.models import tiny
 from mot_jax.models.generation import generate_from_cache, prefill
 from mot_jax.models.hooks import Forward
-from mot_jax.translate import channels
+from mot_jax.translate import channels, kinds
 from mot_jax.translate.align import encode_texts, identity_alignment
 from mot_jax.translate.config import TranslatorConfig
 from mot_jax.translate.kinds import interlat
@@ -47,7 +47,7 @@ def test_reference_shapes_defaults_and_refusals():
     config = SimpleNamespace(num_kv_heads=1, head_dim=8, hidden_size=32)  # E != D, as OPT-350m's
     model = lambda width: SimpleNamespace(embedding_width=width, config=config)  # noqa: E731
     spec = spec_for(6, 4)
-    assert spec.last_hidden and spec.outputs == "embeddings" and spec.mode == "direct"
+    assert spec.source_reads is kinds.LAST_HIDDEN and spec.outputs == "embeddings" and spec.mode == "direct"
     assert spec.source_layers == (5,) and spec.target_layers == (0, 1, 2, 3)  # the source's last layer; every layer
     cfg = mixture_config(spec, model(24), model(40), **TINY)
     assert (cfg.source_width, cfg.target_width) == (24, 40)  # a hidden state in, an input embedding out
@@ -256,7 +256,7 @@ def test_a_tiny_run_trains_resumes_and_evaluates(tmp_path, monkeypatch):
     handed over."""
     config = load_config("smollm2_gemma3.py", "interlat,tiny", steps=2, checkpoint_every=1)
     whole, trained = whole_and_resumed(config, tmp_path, monkeypatch, stop_after=1)
-    assert isinstance(trained[0].adapter, interlat.Adapter) and trained[0].spec.last_hidden
+    assert isinstance(trained[0].adapter, interlat.Adapter) and trained[0].spec.source_reads is kinds.LAST_HIDDEN
     for a, b in zip(*(jax.tree.leaves(nnx.state(t, nnx.Param)) for t in trained), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
     final = whole["final_validation"]

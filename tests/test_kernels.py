@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from mot_jax import kernels
+from mot_jax.errors import MotJaxError
 from mot_jax.jit import jit
 from mot_jax.models import layers, tiny
 from mot_jax.models.attention import Mask, attend
@@ -120,6 +121,17 @@ def test_model_prefill_and_continuation_equal_xlas(family, monkeypatch):
     assert fused_lowered and not xla_lowered
     for a, b in zip(fused, xla):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=5e-5, rtol=1e-4)
+
+
+def test_an_unknown_attention_choice_is_refused_in_one_line(monkeypatch):
+    """MOT_JAX_ATTENTION names the kernel or XLA's attention; anything else is refused, not taken as the default."""
+    model, config, _ = tiny.load("random:llama")
+    ids = jnp.ones((1, 4), jnp.int32)
+    monkeypatch.setenv("MOT_JAX_ATTENTION", "bogus")
+    with pytest.raises(MotJaxError, match=r"^MOT_JAX_ATTENTION='bogus' is not one of fused, xla; unset it "):
+        model(ids)
+    monkeypatch.setenv("MOT_JAX_ATTENTION", "xla")
+    assert np.isfinite(np.asarray(model(ids)[0])).all()
 
 
 def test_build_is_cached_and_a_missing_compiler_falls_back_with_a_warning(tmp_path, monkeypatch):

@@ -1,8 +1,9 @@
 """Every registered translator kind (`mot_jax/translate/kinds/`) through the same checks: it builds and translates a
 tiny batch into a cache of the target's shapes that depends on the source; it trains, checkpoints, resumes and
-evaluates; and it exports to PyTorch where the torch side says it does (`torch_translator.EXPORTED_KINDS`). A new
-kind gets these tests by being registered; `throwaway`, a kind this module registers for its tests alone, shows that
-nothing outside a kind's own file needs an edit (docs/architecture.md, "Adding a kind")."""
+evaluates; and it exports to PyTorch through its declarations (`Kind.torch`, `torch_call`) unless it states why not
+(`Kind.no_export`). A new kind gets these tests by being registered; `throwaway`, a kind this module registers for its
+tests alone, shows that nothing outside a kind's own file needs an edit (docs/architecture.md, "Adding a kind"), and
+that its PyTorch side is its module class in `torch_translator.MODULES`."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch
 from flax import nnx
 from helpers import load_config, perturb, small_config, tiny_batch, whole_and_resumed
 
@@ -20,6 +22,9 @@ from mot_jax.evals import run
 from mot_jax.evals.methods import method_name
 from mot_jax.export import torch_translator
 from mot_jax.export.__main__ import export_workdir
+from mot_jax.export.weights import export
+from mot_jax.models.model_pair import load_pair
+from mot_jax.training import config as config_lib
 from mot_jax.training import setup
 from mot_jax.translate import channels, kinds
 from mot_jax.translate.config import TranslatorConfig
@@ -40,6 +45,17 @@ class PerLayerMap(nnx.Module):
         return jnp.einsum("btwi,wio->btwo", x, self.kernel[...]), {}
 
 
+class TorchPerLayerMap(torch.nn.Module):
+    """The throwaway kind's K or V module on the PyTorch side: what a new kind adds to `torch_translator.py`."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.kernel = torch.nn.Parameter(torch.zeros(cfg.window, cfg.source_width, cfg.target_width))
+
+    def forward(self, x, mask):
+        return torch.einsum("btwi,wio->btwo", x, self.kernel)
+
+
 def register_throwaway():
     return kinds.register(
         kinds.Kind(
@@ -51,17 +67,18 @@ def register_throwaway():
             fields=dict(throwaway_scale=2),
             counts=dict(throwaway_scale=1),
             recipe={"translator.mode": "direct"},
-            no_export="a kind of the tests alone",
+            torch={"key": "PerLayerMap", "value": "PerLayerMap"},
         )
     )
 
 
 @pytest.fixture(params=[*kinds.names(), THROWAWAY])
-def kind(request):
-    """Each registered kind, and the throwaway one (registered for the test, removed after it)."""
+def kind(request, monkeypatch):
+    """Each registered kind, and the throwaway one (registered for the test with its torch module, removed after)."""
     if request.param == THROWAWAY:
         register_throwaway()
         request.addfinalizer(lambda: kinds.unregister(THROWAWAY))
+        monkeypatch.setitem(torch_translator.MODULES, "PerLayerMap", TorchPerLayerMap)
     return kinds.get(request.param)
 
 
@@ -73,7 +90,7 @@ def tiny_config(kind, **overrides):
 def test_builds_and_translates_a_tiny_batch_into_the_targets_cache_from_the_source(kind):
     config = tiny_config(kind)
     assert config.translator.kind == kind.name and all(k in config.translator for k in kind.fields)
-    pair = setup.load_pair(config)
+    pair = load_pair(config)
     ls, lt = pair.source.config.num_layers, pair.target.config.num_layers
     channel_map = channels.terminal(ls, lt, config.translator.channels.ratio)
     spec, tcfg = setup.translation(config, channel_map, pair)
@@ -130,8 +147,32 @@ def test_no_kind_declares_a_field_every_translator_has():
     assert not [k for k in kinds.names() if shared & set(kinds.get(k).fields)]
 
 
-def test_the_torch_side_serves_every_kind_that_states_no_reason_why_not():
-    assert set(torch_translator.EXPORTED_KINDS) == {n for n in kinds.names() if not kinds.get(n).no_export}
+def test_the_torch_side_has_what_every_exported_kind_declares():
+    for kind in (kinds.get(n) for n in kinds.names() if not kinds.get(n).no_export):
+        assert set(kind.torch.values()) <= set(torch_translator.MODULES) and kind.torch_call in torch_translator.CALLS
+        assert callable(getattr(torch_translator.KVTranslator, kind.torch_call))
+
+
+def test_the_throwaway_kind_exports_through_its_declarations(kind, tmp_path):
+    """Each kind (the throwaway one included) exports by what it declares: the torch side builds the modules it
+    names and they compute what the JAX modules compute."""
+    if kind.no_export:
+        pytest.skip(f"kind={kind.name!r} has no export: {kind.no_export}")
+    config = tiny_config(kind)
+    pair = load_pair(config)
+    channel_map = channels.terminal(pair.source.config.num_layers, pair.target.config.num_layers, 0.5)
+    spec, tcfg = setup.translation(config, channel_map, pair)
+    translator = KVTranslator(spec, tcfg, rngs=nnx.Rngs(0))
+    perturb(translator, seed=1)
+    folder = export(translator, pair.source, pair.target, tmp_path / "exported")
+    exported = torch_translator.KVTranslator.from_pretrained(folder)
+    assert exported.config.modules == kind.torch and exported.config.call == kind.torch_call
+    assert exported.config.options == dict(tcfg.options)
+    if kind.name == THROWAWAY:
+        x = np.random.default_rng(0).normal(size=(2, 3, tcfg.window, tcfg.source_width)).astype(np.float32)
+        with torch.no_grad():
+            got = exported.key(torch.tensor(x), None).numpy()
+        np.testing.assert_allclose(got, np.asarray(translator.key(jnp.asarray(x), None)[0]), atol=1e-5, rtol=1e-5)
 
 
 def test_a_kind_is_one_registered_file():
@@ -143,7 +184,7 @@ def test_a_kind_is_one_registered_file():
         assert THROWAWAY in kinds.names() and "throwaway_scale" in kinds.fields()
         config = load_config("smollm2_gemma3.py", f"{THROWAWAY},tiny", **{"translator.throwaway_scale": 3})
         assert method_name(config) == "throwaway x3"
-        pair = setup.load_pair(config)
+        pair = load_pair(config)
         spec, tcfg = setup.translation(config, None, pair)
         assert tcfg.throwaway_scale == 3 and tcfg.to_dict()["throwaway_scale"] == 3
         assert type(tcfg).from_dict(tcfg.to_dict()) == tcfg
@@ -152,7 +193,9 @@ def test_a_kind_is_one_registered_file():
         with pytest.raises(MotJaxError, match="declares fields .*throwaway_scale"):
             kinds.register(kinds.Kind(name="another", build=None, fields=dict(throwaway_scale=1)))
         with pytest.raises(MotJaxError, match="throwaway_scale is not a field of a kind='mot' translator"):
-            type(tcfg)(8, 8, 2, throwaway_scale=1)
+            kinds.translator_config(8, 8, 2, throwaway_scale=1)  # the fields merge in the registry
+        with pytest.raises(MotJaxError, match="^translator.throwaway_scale=5 is kind='throwaway''s and means nothing "):
+            config_lib.check(load_config(**{"translator.kind": "linear", "translator.throwaway_scale": 5}))
     finally:
         kinds.unregister(THROWAWAY)
     with pytest.raises(MotJaxError, match="Unknown translator kind 'throwaway'; use one of "):

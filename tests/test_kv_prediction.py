@@ -15,6 +15,7 @@ from helpers import load_config, perturb, tiny_batch, whole_and_resumed
 
 from mot_jax.errors import MotJaxError
 from mot_jax.models.hooks import Forward
+from mot_jax.models.model_pair import load_pair
 from mot_jax.training import objective, setup
 from mot_jax.translate import align
 from mot_jax.translate.kinds import kv_prediction
@@ -43,7 +44,7 @@ def test_the_l1_term_is_the_per_layer_mean_absolute_error_over_valid_context_tok
     overrides = {"translator.native_bottom": native_bottom, "translator.l1_weight": 0.5}
     config = load_config("qwen_coder.py", "kvp,tiny", **overrides)
     assert config.translator.kind == "kv_prediction" and config.loss.correction_weight == 0
-    pair = setup.load_pair(config)
+    pair = load_pair(config)
     spec, tcfg = setup.translation(config, None, pair)
     translator = KVTranslator(spec, tcfg, rngs=nnx.Rngs(0))
     perturb(translator, seed=1)  # the linear maps start at zero before their least-squares fit

@@ -25,6 +25,8 @@ def import_graph(package: Path) -> dict[str, set[str]]:
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 # `from a.b import c`: a.b, and a.b.c when c is a module
                 imported |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+        if "pkgutil.iter_modules(__path__)" in path.read_text():  # a package that imports all its modules
+            imported |= {m for m in modules if m.startswith(name + ".") and "." not in m[len(name) + 1 :]}
         graph[name] = {m for m in imported if m in modules and m != name}
     return graph
 
@@ -80,6 +82,51 @@ def test_imports_point_down_the_layers():
         (m, i) for m, imports in import_graph(PACKAGE).items() for i in imports
     }  # the graph sees a downward import
     assert not upward, upward
+
+
+ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
+TEXT_INTRO = "The same as text (each line: a part and the parts of mot_jax it imports"
+# the parts drawn as boxes of their own in the doc's picture (the rest are the utilities at the bottom)
+DRAWN = {"train", "evaluate", "convert", "bench", "export", "evals", "training", "translate", "models", "kernels"}
+DRAWN |= {"multihost", "tfds_builders"}
+
+
+def part_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """{part: the parts it imports}: a part is a subpackage of mot_jax or a top-level module (`train`, `errors`)."""
+    part = lambda module: module.split(".")[1]
+    parts = {}
+    for module, imports in graph.items():
+        if module != "mot_jax":
+            parts.setdefault(part(module), set()).update(part(i) for i in imports if i != "mot_jax")
+    return {name: imported - {name} for name, imported in parts.items()}
+
+
+def doc_block(text: str, after: str, fence: str) -> list[str]:
+    """The lines of the first fenced block (opening with `fence`) after the line starting with `after`."""
+    start = text.index(fence, text.index(after)) + len(fence)
+    return text[start : text.index("```", start)].strip("\n").splitlines()
+
+
+def test_the_architecture_docs_import_picture_is_the_codes():
+    """docs/architecture.md's "What imports what": its text lists every part's imports as the code has them, and its
+    picture draws an arrow for every import between the drawn parts and none that is not one."""
+    parts = part_graph(import_graph(PACKAGE))
+    text = ARCHITECTURE.read_text()
+    listed = {}
+    for line in doc_block(text, TEXT_INTRO, "```\n"):
+        name, _, imported = line.partition(":")
+        listed[name.strip()] = set(imported.split()) - {"-"}
+    expected = "\n".join(f"{name}: {' '.join(sorted(parts[name])) or '-'}" for name in sorted(parts))
+    assert listed == parts, f"docs/architecture.md's import list is out of date; it should read:\n{expected}"
+    utilities = set(parts) - DRAWN
+    arrows = set()
+    for line in doc_block(text, "## What imports what", "```mermaid\n")[1:]:
+        a, b = (side.strip().split("[")[0] for side in line.split("-->"))
+        arrows |= {(a, u) for u in utilities} if b == "util" else {(a, b)}
+    drawn = {(a, b) for a, imported in parts.items() for b in imported if a in DRAWN and b in DRAWN}
+    assert drawn <= arrows, f"the picture lacks {sorted(drawn - arrows)}"
+    assert all(b in parts[a] for a, b in arrows if b in DRAWN), "the picture draws an import the code does not make"
+    assert all(parts[a] & utilities for a, b in arrows if b in utilities), "an arrow to the utilities is not one"
 
 
 def test_rotary_property_agrees_with_the_model_classes():

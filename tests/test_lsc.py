@@ -15,7 +15,7 @@ from helpers import load_config, perturb, whole_and_resumed
 from mot_jax.errors import MotJaxError
 from mot_jax.evals.methods import method_name
 from mot_jax.jit import jit
-from mot_jax.translate import channels
+from mot_jax.translate import channels, kinds
 from mot_jax.translate.config import TranslatorConfig
 from mot_jax.translate.kinds import lsc
 from mot_jax.translate.spec import TranslationSpec
@@ -78,10 +78,8 @@ def numpy_lsc(p, x, heads, output_gelu=True):
 
 def test_reference_defaults_shapes_and_parameter_count():
     cfg = TranslatorConfig(12, 8, 2, **TINY)  # 3 source layers
-    assert (TranslatorConfig(1, 1, 1, kind="lsc").shared_slots, TranslatorConfig(1, 1, 1, kind="lsc").shared_dim) == (
-        32,
-        128,
-    )
+    defaults = kinds.translator_config(1, 1, 1, kind="lsc")  # the kind's own fields at their defaults
+    assert (defaults.shared_slots, defaults.shared_dim) == (32, 128)
     module = lsc.LatentTranslator(cfg, 3, rngs=nnx.Rngs(0))
     x = jax.random.normal(jax.random.key(1), (2, 5, 3, 12))
     visible = jnp.ones((2, 1, 5), bool)
@@ -93,7 +91,7 @@ def test_reference_defaults_shapes_and_parameter_count():
     count = sum(a.size for a in jax.tree.leaves(nnx.state(module, nnx.Param)))
     assert count == lsc_params(3, 12, 2, 8, d=16, r=2, slots=3, dim=4)
     # the reference's sizes: translator dim 512, ratio 4, 32 x 128, on SmolLM2 (30 x 192) -> Gemma-3 (18 x 256)
-    big = TranslatorConfig(192, 256, 18, kind="lsc", dim=512, heads=16, mlp_ratio=4)
+    big = kinds.translator_config(192, 256, 18, kind="lsc", dim=512, heads=16, mlp_ratio=4)
     abstract = nnx.eval_shape(lambda: lsc.LatentTranslator(big, 30, rngs=nnx.Rngs(0)))
     count = sum(a.size for a in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
     assert count == lsc_params(30, 192, 18, 256, d=512, r=4, slots=32, dim=128)

@@ -19,7 +19,7 @@ from mot_jax.jit import jit
 from mot_jax.models import tiny
 from mot_jax.models.generation import generate_from_cache, prefill
 from mot_jax.models.hooks import Forward
-from mot_jax.translate import channels
+from mot_jax.translate import channels, kinds
 from mot_jax.translate.align import encode_texts, identity_alignment
 from mot_jax.translate.config import TranslatorConfig
 from mot_jax.translate.hooks import ReplaceLayerInputs
@@ -41,7 +41,7 @@ def test_reference_shapes_defaults_and_refusals():
     model = lambda hidden: SimpleNamespace(config=SimpleNamespace(num_kv_heads=1, head_dim=8, hidden_size=hidden))
     source, target = model(24), model(40)
     spec = spec_for(6, 4)
-    assert spec.layer_inputs and spec.outputs == "residual" and spec.target_layers == (2, 3)
+    assert spec.source_reads is kinds.LAYER_INPUTS and spec.outputs == "residual" and spec.target_layers == (2, 3)
     cfg = mixture_config(spec, source, target, **TINY)
     # per window layer a source residual stream in and a target residual stream out (not K/V widths)
     assert (cfg.source_width, cfg.target_width, cfg.window) == (24, 40, 2)
@@ -174,7 +174,7 @@ def test_a_tiny_run_trains_resumes_and_evaluates(tmp_path, monkeypatch):
     in its TTFT."""
     config = load_config("smollm2_gemma3.py", "mot_h,tiny", steps=2, checkpoint_every=1)
     whole, trained = whole_and_resumed(config, tmp_path, monkeypatch, stop_after=1)
-    assert isinstance(trained[0].hidden, MixtureOfTranslators) and trained[0].spec.layer_inputs
+    assert isinstance(trained[0].hidden, MixtureOfTranslators) and trained[0].spec.source_reads is kinds.LAYER_INPUTS
     for a, b in zip(*(jax.tree.leaves(nnx.state(t, nnx.Param)) for t in trained), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
     assert np.isfinite(whole["final_validation"]["loss"]) and "load_cv2" in whole["final_validation"]

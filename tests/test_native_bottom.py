@@ -131,8 +131,8 @@ def test_the_source_free_method_runs_no_source_and_hands_nothing_over():
     from mot_jax.evals import synthetic
     from mot_jax.evals.methods import Stopwatch, Translated
     from mot_jax.evals.prompts import Settings, batches
+    from mot_jax.models.model_pair import load_pair
     from mot_jax.training.config import base, tiny
-    from mot_jax.training.setup import load_pair
 
     config = base()
     tiny(config, "llama", "gemma3")

@@ -14,7 +14,7 @@ from mot_jax.errors import MotJaxError
 from mot_jax.export import torch_translator
 from mot_jax.export.__main__ import export_workdir
 from mot_jax.jit import jit
-from mot_jax.training import loop
+from mot_jax.training import loop, saved
 from mot_jax.training.setup import check_identity, make_mesh
 from mot_jax.training.trained import load_trained
 from mot_jax.training.trainer import fit
@@ -107,11 +107,18 @@ def test_workdir_round_trip_export_and_resume_with_another_kind(tmp_path):
         loop.train_and_evaluate(load_config(steps=4, **(overrides | {"translator.kind": "mot"})), tmp_path / "run")
 
 
+def upgraded(identity: dict) -> dict:
+    """A checkpoint identity as `Checkpoints.read_meta` hands it on."""
+    return saved.upgrade_meta({"identity": identity})["identity"]
+
+
 def test_runs_saved_before_the_kind_and_linear_skip_keys_still_resume_as_mixtures_without_skip(tmp_path):
     current = {"translator": {"dim": 32, "kind": "mot", "linear_skip": False}}
     lsc = dict(shared_slots=32, shared_dim=128, source_window=0)  # saved by every run before LSC held its own
-    for saved in ({"dim": 32}, {"dim": 32} | lsc):
-        check_identity({"translator": saved}, current, tmp_path)  # no error
+    for old in ({"dim": 32}, {"dim": 32} | lsc):
+        check_identity(upgraded({"translator": old}), current, tmp_path)  # no error
     for changed in ({"kind": "projector"}, {"linear_skip": True}):
         with pytest.raises(MotJaxError, match="differs in: translator"):
-            check_identity({"translator": {"dim": 32}}, {"translator": current["translator"] | changed}, tmp_path)
+            check_identity(
+                upgraded({"translator": {"dim": 32}}), {"translator": current["translator"] | changed}, tmp_path
+            )

@@ -47,6 +47,15 @@ def test_bad_counts_are_refused_before_anything_is_written(tmp_path, key, value,
     assert not (tmp_path / "run").exists()
 
 
+def test_another_kinds_field_is_refused_before_anything_is_written(tmp_path):
+    """LSC's shared_slots means nothing for a linear translator: one line naming the field and its kind, not a run
+    that silently ignores it."""
+    config = load_config(**{"translator.kind": "linear", "translator.linear_skip": True, "translator.shared_slots": 64})
+    with pytest.raises(MotJaxError, match=r"^translator.shared_slots=64 is kind='lsc''s and means nothing for "):
+        loop.train_and_evaluate(config, tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("key", ["loss.ce_weight", "loss.distill_weight", "loss.attention_weight"])
 def test_negative_loss_weights_are_refused(tmp_path, key):
     # a negative weight trains the translator to make that term larger

@@ -6,6 +6,7 @@ import json
 import pytest
 
 from mot_jax.errors import MotJaxError
+from mot_jax.training import saved
 from mot_jax.training.setup import check_identity
 from mot_jax.translate import channels
 from mot_jax.translate.config import TranslatorConfig
@@ -21,6 +22,12 @@ ADDED = {
     TranslationSpec: ("native_bottom", "inputs", "outputs"),
     TranslatorConfig: ("kind", "linear_skip"),
 }
+UPGRADE = {TranslationSpec: saved.spec_dict, TranslatorConfig: saved.translator_dict}  # at load time
+
+
+def upgraded(identity: dict) -> dict:
+    """A checkpoint identity as `Checkpoints.read_meta` hands it on."""
+    return saved.upgrade_meta({"identity": identity})["identity"]
 
 
 def through_json(d: dict) -> dict:
@@ -40,14 +47,14 @@ def test_a_dict_saved_before_the_added_fields_gets_todays_defaults(cls):
     defaults = {f.name: f.default for f in dataclasses.fields(cls)}
     assert all(getattr(today, name) == defaults[name] for name in ADDED[cls])
     old = {k: v for k, v in today.to_dict().items() if k not in ADDED[cls]}
-    assert cls.from_dict(through_json(old)) == today
-    assert cls.with_added_fields(old) == today.to_dict()  # what a resume compares
+    assert cls.from_dict(UPGRADE[cls](through_json(old))) == today
+    assert UPGRADE[cls](old) == today.to_dict()  # what a resume compares
 
 
 def test_a_run_saved_before_the_added_spec_fields_still_resumes():
     current = {"spec": SPECS[0].to_dict()}
     old = {k: v for k, v in current["spec"].items() if k not in ADDED[TranslationSpec]}
-    check_identity({"spec": old}, current, "DIR")  # no error
+    check_identity(upgraded({"spec": old}), current, "DIR")  # no error
     for changed in ({"native_bottom": 1}, {"inputs": ["source", "embeddings"]}, {"outputs": "hidden"}):
         with pytest.raises(MotJaxError, match="differs in: spec"):
-            check_identity({"spec": old}, {"spec": current["spec"] | changed}, "DIR")
+            check_identity(upgraded({"spec": old}), {"spec": current["spec"] | changed}, "DIR")

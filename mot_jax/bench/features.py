@@ -8,6 +8,7 @@ import statistics
 import time
 
 from mot_jax.bench.common import EXPERIMENT, Plan, Section, Table, load_experiment, log, median_time
+from mot_jax.models.model_pair import load_pair
 
 # the B=8 linear dial on the K/V MSE alone (tiny models: B=1), the fast loop's case
 DIAL = dict(kind="linear", linear_skip=True, native_bottom=8, inputs="source,embeddings,hidden")
@@ -27,7 +28,7 @@ def bench_features(plan: Plan):
     config.loss.ce_weight = 0.0
     accum, steps = config.grad_accum, plan.runs + 1
     config.data.update(feature_cache=True, train_chunks=config.batch_size * accum * steps)
-    pair = setup.load_pair(config)
+    pair = load_pair(config)
     datasets = setup.make_datasets(config, pair)
     mesh = setup.make_mesh(config)
     spec, tcfg = setup.translation(config, resolve_channels(config, pair, datasets, mesh, None), pair)

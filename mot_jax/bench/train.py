@@ -8,6 +8,7 @@ import time
 
 from mot_jax.bench.common import EXPERIMENT, Plan, Section, Table, load_experiment, log, median_time
 from mot_jax.bench.flops import matmul_flops
+from mot_jax.models.model_pair import load_pair
 
 # bf16 dense peak FLOP/s per chip, matched (first hit) as a substring of jax.devices()[0].device_kind
 PEAK_FLOPS = (
@@ -55,7 +56,7 @@ def bench_train(plan: Plan) -> Section:
         return c
 
     config = experiment("replay")
-    pair = setup.load_pair(config)
+    pair = load_pair(config)
     datasets = setup.make_datasets(config, pair)
     mesh = setup.make_mesh(config)
     accum = config.grad_accum

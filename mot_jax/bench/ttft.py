@@ -44,6 +44,7 @@ def untrained(plan: Plan, pair=None) -> tuple:
 
     from mot_jax.evals.methods import Translated, method_name
     from mot_jax.evals.run import attention_name
+    from mot_jax.models.model_pair import load_pair
     from mot_jax.training import setup
     from mot_jax.training.channel_search import resolve_channels
     from mot_jax.translate.translator import KVTranslator
@@ -56,7 +57,7 @@ def untrained(plan: Plan, pair=None) -> tuple:
             overrides = dict(overrides, native_bottom=2)
         config = load_experiment(plan.config_arg + arg)
         config.translator.update(overrides)
-        pair = pair or setup.load_pair(config)
+        pair = pair or load_pair(config)
         channel_map = resolve_channels(config, pair)  # terminal: no search, no data
         spec, tcfg = setup.translation(config, channel_map, pair)
         name = method_name(config)
@@ -89,18 +90,17 @@ def groups(plan: Plan) -> tuple[list[Group], str]:
     from mot_jax.evals.kvcomm import KVComm
     from mot_jax.evals.methods import Native, SourceAlone, TextRelay
     from mot_jax.evals.prompts import target_chat
-    from mot_jax.training.setup import Pair
+    from mot_jax.models.model_pair import ModelPair, load_pair
 
     if plan.workdirs:
         import ml_collections
 
         from mot_jax.evals.run import trained_methods, with_recomputation
-        from mot_jax.training import setup
 
         translated, config = trained_methods(plan.workdirs, "last")
         translated = with_recomputation(translated, plan.recompute)
         names = (config.source, config.target)
-        models = setup.load_pair(ml_collections.ConfigDict(dict(source=names[0], target=names[1], dtype=config.dtype)))
+        models = load_pair(ml_collections.ConfigDict(dict(source=names[0], target=names[1], dtype=config.dtype)))
         what = "trained translators (" + ", ".join(f"`{m.workdir}` step {m.step}" for m in translated) + ")"
     else:
         models, described, names = untrained(plan)
@@ -126,7 +126,7 @@ def groups(plan: Plan) -> tuple[list[Group], str]:
     # KVComm hands the source's raw K/V to the target: one architecture and depth, so the homogeneous pairs only
     sides = {names[1]: (target, models.target_tokenizer), names[0]: (source, models.source_tokenizer)}
     for name, (model, tokenizer) in sides.items() if with_kvcomm else ():  # one pair when both are the same model
-        homogeneous = Pair(model, model, tokenizer, tokenizer)
+        homogeneous = ModelPair(model, model, tokenizer, tokenizer)
         kvcomm = KVComm(names=(name, name))
         kvcomm.prepare(homogeneous)  # calibrates its layers on the target's attention (the evaluation's default)
         natives = [] if name == names[1] else [Native()]  # the target's native prefill is already timed
@@ -277,8 +277,8 @@ def bench_ttft(plan: Plan) -> Section:
     if direct and 2048 in lengths:
         ratio = ratios[direct.name, target][lengths.index(2048)]
         notes.append(goal_note("direct at most half of native prefill at 2,048 tokens", ratio, 0.5, False))
-    replays = [m.name for m in translated if m.translator.spec.mode == "replay" and not m.translator.spec.layer_inputs]
-    if replays:  # MoT-h (layer_inputs) runs one dense forward, not a replay after the translation
+    replays = [m.name for m in translated if m.translator.spec.replays_kv]
+    if replays:  # MoT-h runs one dense forward with its inputs replaced, not a replay after the translation
         spans = ", ".join(f"{name} {span(ratios[name, target])}" for name in replays)
         notes.append(
             f"Replay / native: {spans}; replay re-reads the context through the target after the translation, so it "

@@ -11,10 +11,10 @@ invented names, in a random order:
 - `chain(x)`: calls `arith` and changes its result (`arith(x) - 3`), so its value takes two steps;
 - `offset(x)`: adds the second constant, itself defined from the first (`STEP = BASE + 3`), then calls `branch`.
 
-Each example asks one question of one KIND (drawn uniformly), always about the module's own names, with the
+Each example asks one question of one TYPE (drawn uniformly), always about the module's own names, with the
 answer computed by the rule that wrote the code (and checked by executing the module, in the tests):
 
-| kind | question | answer |
+| type | question | answer |
 |---|---|---|
 | returns | What does `arith(5)` return? | an integer (one step) |
 | chain | What does `chain(5)` return? | an integer (two steps through a call) |
@@ -25,7 +25,7 @@ answer computed by the rule that wrote the code (and checked by executing the mo
 | caller | Which function calls `arith`? | a function name of the module |
 
 Examples are in the extractive schema (`{"context", "question", "answers", "instruction", "id"}`, the id names the
-kind: `code-KIND-INDEX`), for `python -m mot_jax.evaluate --task=extractive_qa --data=code_reading` (scored with
+type: `code-TYPE-INDEX`), for `python -m mot_jax.evaluate --task=extractive_qa --data=code_reading` (scored with
 F1, exact match and the gold answer's log-probability like the synthetic extractive set).
 
 Held-out split: as for the synthetic sets, examples 0 to HELD_OUT - 1 of every seed are the evaluation's (stored
@@ -39,7 +39,7 @@ import numpy as np
 
 from mot_jax.evals.synthetic import HELD_OUT
 
-KINDS = ("returns", "chain", "branch", "lookup", "constant", "offset", "caller")  # order fixes the draws
+QUESTION_TYPES = ("returns", "chain", "branch", "lookup", "constant", "offset", "caller")  # order fixes the draws
 INSTRUCTION = "The passage is Python code. Answer with the value or the name only."
 TASK_SEED = 101  # the generator's stream beside the synthetic tasks' (0-3)
 _VERBS = ["scale", "shift", "mix", "fold", "pick", "grade", "tally", "route", "tag", "probe", "weigh", "trim"]
@@ -124,22 +124,22 @@ def module(rng) -> tuple[str, dict]:
     return source, facts
 
 
-def _question(rng, kind: str, facts: dict) -> tuple[str, str]:
+def _question(rng, question_type: str, facts: dict) -> tuple[str, str]:
     names = facts["names"]
-    if kind == "constant":
+    if question_type == "constant":
         return f"What is the value of `{facts['step_name']}`?", str(facts["step"])
-    if kind == "caller":
+    if question_type == "caller":
         return f"Which function calls `{names['arith']}`?", names["chain"]
-    if kind == "lookup":
+    if question_type == "lookup":
         key = _pick(rng, sorted(facts["table"]))
         return f'What does `{names["lookup"]}("{key}")` return?', facts["table"][key]
-    if kind in ("branch", "offset"):  # an argument near the threshold, on either side, half the time each
-        t = facts["threshold"] - (facts["step"] if kind == "offset" else 0)
+    if question_type in ("branch", "offset"):  # an argument near the threshold, on either side, half the time each
+        t = facts["threshold"] - (facts["step"] if question_type == "offset" else 0)
         x = max(0, t + _int(rng, 1, 4) if rng.random() < 0.5 else t - _int(rng, 0, 3))
     else:
         x = _int(rng, 1, 9)
-    return f"What does `{names[kind if kind != 'returns' else 'arith']}({x})` return?", str(
-        facts["arith" if kind == "returns" else kind](x)
+    return f"What does `{names[question_type if question_type != 'returns' else 'arith']}({x})` return?", str(
+        facts["arith" if question_type == "returns" else question_type](x)
     )
 
 
@@ -150,18 +150,18 @@ def examples(n: int, seed: int = 0, start: int = 0) -> list[dict]:
     for index in range(start, start + n):
         rng = np.random.default_rng([seed, index, TASK_SEED])
         source, facts = module(rng)
-        kind = KINDS[int(rng.integers(len(KINDS)))]
-        question, answer = _question(rng, kind, facts)
+        question_type = QUESTION_TYPES[int(rng.integers(len(QUESTION_TYPES)))]
+        question, answer = _question(rng, question_type, facts)
         out.append(
             dict(
                 context=source,
                 question=question,
                 answers=[answer],
                 instruction=INSTRUCTION,
-                id=f"code-{kind}-{index}",
+                id=f"code-{question_type}-{index}",
             )
         )
     return out
 
 
-__all__ = ["HELD_OUT", "INSTRUCTION", "KINDS", "examples", "module"]
+__all__ = ["HELD_OUT", "INSTRUCTION", "QUESTION_TYPES", "examples", "module"]

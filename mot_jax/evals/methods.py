@@ -251,12 +251,7 @@ class Translated(Method):
         spec = self.translator.spec
         layers = len(set(spec.source_layers)) * spec.reads_source  # the source layers the translator reads
         tokens = np.asarray(source_mask).sum(1)
-        itemsize = jnp.dtype(models.source.param_dtype).itemsize
-        if spec.layer_inputs:  # kind='mot_h': one residual-stream vector per token and layer, not K and V
-            return tokens * layers * models.source.config.hidden_size * itemsize
-        if spec.last_hidden:  # kind='interlat': one last-layer hidden state per token
-            return tokens * models.source.embedding_width * itemsize
-        return np.array([kv_bytes(models.source, int(n), layers) for n in tokens])
+        return spec.source_reads.handed_bytes(models.source, tokens, layers)  # as its kind declares the read
 
     def build(self, models, contexts, capacity, watch):
         read = self.read_source(models, contexts, watch)

@@ -239,17 +239,35 @@ def prefix_budgets(models, prefixes, suffixes, settings: Settings) -> list[int]:
     return budgets
 
 
-def batches(models, examples, settings: Settings, questions=None, donors: bool = False):
-    """(Contexts, suffix ids, suffix mask) per batch; `questions` replaces each example's question (multi-agent);
-    `donors` attaches each row's donor contexts (`donor_indices`) for `ShuffledSource`."""
-    donor = np.asarray(donor_indices(examples)) if donors else None
+def fitted(models, examples, settings: Settings, questions=None):
+    """(prefix ids cut to their budgets, suffix ids, tokens cut from each prefix) of the examples' prompts;
+    `questions` replaces each example's question (multi-agent)."""
     closed = is_closed(examples)
     prefixes = token_ids(models.target_tokenizer, [prefix_text(e, closed, chat=settings.chat) for e in examples], True)
     questions = questions or [None] * len(examples)
     suffixes = [suffix_text(e, q, chat=settings.chat) for e, q in zip(examples, questions)]
     suffixes = token_ids(models.target_tokenizer, suffixes, False)
     budgets = prefix_budgets(models, prefixes, suffixes, settings)
-    prefixes = [p[:b] for p, b in zip(prefixes, budgets)]
+    cut = [max(0, len(p) - b) for p, b in zip(prefixes, budgets)]
+    return [p[:b] for p, b in zip(prefixes, budgets)], suffixes, cut
+
+
+def context_cuts(models, examples, settings: Settings) -> dict | None:
+    """How many examples' contexts `batches` cuts to fit (the target's positions less the question and the answer,
+    or the budget) and by how many tokens: {"examples", "of", "most_tokens", "mean_tokens"} (over those cut), or None
+    when none is."""
+    cut = [n for n in fitted(models, examples, settings)[2] if n]
+    if not cut:
+        return None
+    return dict(examples=len(cut), of=len(examples), most_tokens=max(cut), mean_tokens=round(float(np.mean(cut)), 1))
+
+
+def batches(models, examples, settings: Settings, questions=None, donors: bool = False):
+    """(Contexts, suffix ids, suffix mask) per batch; `questions` replaces each example's question (multi-agent);
+    `donors` attaches each row's donor contexts (`donor_indices`) for `ShuffledSource`."""
+    donor = np.asarray(donor_indices(examples)) if donors else None
+    closed = is_closed(examples)
+    prefixes, suffixes, _ = fitted(models, examples, settings, questions)
     # the passage a truncated prefix still holds: its text minus the instruction header
     texts = alignment_lib.adapter(models.target_tokenizer).backend.decode_batch(prefixes, skip_special_tokens=True)
     passages = [t.split("\nPassage: ", 1)[1] if "\nPassage: " in t else "" for t in texts]

@@ -177,6 +177,15 @@ def latency_table(rows: list[dict]) -> str:
     return outputs.markdown_table(header, cells)
 
 
+def cut_note(cut: dict) -> str:
+    """The line saying how many examples' contexts were cut to fit the target (`prompts.context_cuts`)."""
+    return (
+        f"{cut['examples']} of {cut['of']} examples' contexts were cut to fit the target's positions (with the "
+        f"question and the answer), by up to {cut['most_tokens']} tokens ({cut['mean_tokens']} on average); every "
+        "method read the same cut context."
+    )
+
+
 def markdown(results: dict) -> str:
     meta = results["meta"]
     translators = ", ".join(f"{n} (step {m['step']}, {m['workdir']})" for n, m in meta["methods"].items()) or "none"
@@ -214,6 +223,8 @@ def markdown(results: dict) -> str:
             for budget, methods in entry["budgets"].items():
                 lines += ["", f"### at {budget} tokens", "", open_table(methods), paired_table(methods)]
         else:
+            if entry.get("cut"):
+                lines += [cut_note(entry["cut"]), ""]
             lines += [task_table(task, entry), paired_table(entry["methods"])]
     if results.get("latency"):
         lines += ["", "## Time to first token (batch 1)", ""]

@@ -47,12 +47,12 @@ from mot_jax.evals.methods import (
     bands,
     method_name,
 )
-from mot_jax.evals.prompts import CHAT_SETTINGS, Settings, chat_turns, is_closed, target_chat
+from mot_jax.evals.prompts import CHAT_SETTINGS, Settings, chat_turns, context_cuts, is_closed, target_chat
 from mot_jax.evals.tasks import add_paired_controls, add_retention, evaluate_agents, evaluate_examples
 from mot_jax.files import atomic_file
+from mot_jax.models.model_pair import load_pair
 from mot_jax.paths import as_path
 from mot_jax.progress import Progress
-from mot_jax.training.setup import load_pair
 from mot_jax.training.trained import load_trained
 
 TASKS = datasets.TASKS
@@ -94,7 +94,7 @@ def trained_methods(workdirs, which: str, replay_attention="trained"):
         pair = names
         trained_spec = trained.translator.spec
         seen = []
-        replays = trained_spec.mode == "replay" and not trained_spec.layer_inputs  # MoT-h's forward is dense
+        replays = trained_spec.replays_kv  # MoT-h's replay is a dense forward with its inputs replaced
         for changes in attentions if replays else [{}]:
             if changes:
                 trained = load_trained(workdir, which, **changes)
@@ -347,6 +347,9 @@ def _evaluate(workdir, config: ml_collections.ConfigDict, compare, out) -> dict:
                 add_paired_controls(scores)
             metric = "accuracy" if is_closed(items) else "f1"
             results["tasks"][task] = dict(examples=len(items), methods=add_retention(scores, metric))
+            cuts = context_cuts(models, items, settings)
+            if cuts:  # contexts longer than the target reads: the report says so
+                results["tasks"][task]["cut"] = cuts
         partial.results(results)
     if lengths:
         ttft = ttft_setup(models, lengths, config.max_new_tokens, config.seed)

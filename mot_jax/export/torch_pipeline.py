@@ -219,10 +219,10 @@ class CachePipeline:
             input_ids=torch.as_tensor(source_ids, dtype=torch.long),
             attention_mask=torch.as_tensor(source_mask, dtype=torch.long),
         )
-        if cfg.kind == "interlat":
+        if cfg.source_reads == "last_hidden":
             hidden = self.source.base_model(**source_inputs, use_cache=False).last_hidden_state  # final-normed
             return self.from_source_hidden(hidden, alignment, target_ids, target_mask)
-        if cfg.kind == "mot_h":
+        if cfg.source_reads == "layer_inputs":
             streams = layer_inputs(self.source, cfg.source_layers, **source_inputs, use_cache=False)
             return self.from_source_streams([streams[i] for i in cfg.source_layers], alignment, target_ids, target_mask)
         sparse = cfg.mode == "replay" and cfg.sparse_attention
@@ -244,7 +244,7 @@ class CachePipeline:
         reads no source (`inputs` without "source"). With `native_bottom=B` the target's own layers 0..B-1 read the
         context first; the target-side inputs (`embeddings`, `hidden`) come from that run."""
         cfg = self.translator.config
-        if cfg.kind == "c2c":
+        if cfg.call == "fuse_window":  # fuses the target's own cache of the context with the source's
             return self._fused(_cache_layers(source_cache), alignment, target_ids, target_mask)
         ids = torch.as_tensor(np.asarray(target_ids), dtype=torch.long)
         mask = torch.as_tensor(np.asarray(target_mask), dtype=torch.long)
@@ -257,7 +257,7 @@ class CachePipeline:
             layers = _cache_layers(source_cache)
             source = ([kv[0] for kv in layers], [kv[1] for kv in layers], alignment.weights)
         k, v = self.translator.translate_window(*source, mask.bool(), **features)
-        if cfg.outputs == "hidden":  # layer inputs: the target's own layers make them K/V
+        if cfg.kv_from_hidden:  # layer inputs: the target's own layers make them K/V
             k, v = layer_key_values(self.target, cfg.target_layers, k, v, mask)
         # the first token sees only itself: its K/V are the target's own, not translated (as mot_jax)
         own = _cache_layers(self.target(input_ids=ids[:, :1], cache=DynamicCache(), use_cache=True).cache)

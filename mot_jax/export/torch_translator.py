@@ -47,9 +47,34 @@ EPS = 1e-5  # the translator's LayerNorm epsilon
 MASK_VALUE = -1e30  # finite: a query with no visible key gets a uniform softmax instead of NaN, as in JAX
 
 
-# The kinds this file serves: every kind of mot_jax's registry that does not state why it has no export
-# (`Kind.no_export`; tests/test_kinds.py holds the two to each other).
-EXPORTED_KINDS = ("mot", "projector", "linear", "c2c", "lsc", "mot_h", "interlat")
+# What the export writes of each kind (its `Kind.torch` and `torch_call`, format_version 2) and what an export of
+# format_version 1, which named its kind only, meant by it: {kind: ({attribute: module class}, the method serving it)}
+V1_KINDS = {
+    "mot": ({"key": "Mixture", "value": "Mixture"}, "translate_window"),
+    "projector": ({"key": "Projector", "value": "Projector"}, "translate_window"),
+    "linear": ({"key": "NoMixture", "value": "NoMixture"}, "translate_window"),
+    "c2c": ({"key": "Fuser", "value": "Fuser"}, "fuse_window"),
+    "lsc": ({"key": "LatentTranslator", "value": "LatentTranslator"}, "translate_window"),
+    "mot_h": ({"hidden": "Mixture"}, "translate_streams"),
+    "interlat": ({"adapter": "Adapter"}, "embed_latents"),
+}
+V1_OPTIONS = {"lsc": ("shared_slots", "shared_dim")}  # the kinds' own fields that format_version 1 wrote at the top
+# format_version 1's outputs -> (what the source hands over, whether the target's projections make K/V of them)
+V1_OUTPUTS = {
+    "kv": ("kv", False),
+    "hidden": ("kv", True),
+    "residual": ("layer_inputs", False),
+    "embeddings": ("last_hidden", False),
+}
+CALLS = ("translate_window", "fuse_window", "translate_streams", "embed_latents")
+# per token and layer, the width of what the source hands over (`source_reads`) and of what the translator writes
+# (`outputs`) where the config holds it (the models' embedding widths, Interlat's, it does not)
+READ_WIDTHS = {"kv": lambda c: c.source_kv_heads * c.source_head_dim, "layer_inputs": lambda c: c.source_hidden_size}
+WRITE_WIDTHS = {
+    "kv": lambda c: c.target_kv_heads * c.target_head_dim,
+    "hidden": lambda c: c.target_hidden_size,
+    "residual": lambda c: c.target_hidden_size,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,9 +99,14 @@ class TorchTranslatorConfig:
     target_rotary: bool = False
     target_hidden_size: int = 0  # the target's residual width: its features' and hidden outputs' (0: unused)
     source_hidden_size: int = 0  # the source's residual width: what kind='mot_h' reads (0: unused)
-    kind: str = "mot"  # "mot" (a Mixture per K and V) | "projector" (a Projector) | "linear" (the skip alone)
-    # | "c2c" (a Fuser) | "lsc" (a LatentTranslator) | "mot_h" (one Mixture of residual streams)
-    # | "interlat" (an Adapter of the source's last hidden states)
+    kind: str = "mot"  # its kind in mot_jax (names it; what it is, the next four fields say)
+    # {attribute: module class of this file}, as the kind builds its modules in JAX (`MODULES`)
+    modules: dict = dataclasses.field(default_factory=lambda: {"key": "Mixture", "value": "Mixture"})
+    call: str = "translate_window"  # the method that serves it (`CALLS`)
+    source_reads: str = "kv"  # what the source hands over: its K/V, "layer_inputs" (its window layers' input
+    # residual streams) or "last_hidden" (its last layer's final-normed hidden states)
+    kv_from_hidden: bool = False  # it writes layer inputs that the target's own layers turn into K/V
+    options: dict = dataclasses.field(default_factory=dict)  # the kind's own fields (LSC's shared_slots, shared_dim)
     dim: int = 1024
     heads: int = 16
     depth: int = 2
@@ -89,9 +119,6 @@ class TorchTranslatorConfig:
     dispatch: str = "sparse"
     capacity_factor: float = 1.25
     linear_skip: bool = False  # a linear map per window layer beside the mixture or projector, output added
-    shared_slots: int = 32  # lsc: the latent per token, shared_slots x shared_dim
-    shared_dim: int = 128
-    source_window: int = 0  # lsc: how many source layers it reads, as older exports wrote it (0: len(source_layers))
     mode: str = "replay"
     layer_map: tuple = ()
     sparse_attention: bool = True
@@ -106,58 +133,48 @@ class TorchTranslatorConfig:
         for name in ("source_layers", "target_layers", "layer_map"):
             object.__setattr__(self, name, tuple(int(i) for i in getattr(self, name)))
         object.__setattr__(self, "inputs", tuple(self.inputs))
-        mot = self.kind == "mot"  # a projector or fuser reads none of the mixture's routing fields
-        outputs = {"mot_h": ("residual",), "interlat": ("embeddings",)}.get(self.kind, ("kv", "hidden"))
-        interlat = self.kind == "interlat"  # reads the source's last layer; its widths are the models' embedding
-        # widths (OPT's may differ from its hidden size)
-        source_window = 1 if interlat else self.window  # the source layers read: one per window slot, interlat's last
-        if self.kind == "lsc":  # every one from 0: len(source_layers); an older export's source_window must agree
-            source_window = self.source_window or len(self.source_layers)
-        source_read = self.source_hidden_size if self.kind == "mot_h" else self.source_kv_heads * self.source_head_dim
-        target_kv_width = self.target_kv_heads * self.target_head_dim
-        target_write = self.target_hidden_size if self.outputs in ("hidden", "residual") else target_kv_width
+        classes = [MODULES.get(name) for name in self.modules.values()]
+        mixture = Mixture in classes  # only a mixture reads the routing fields
+        read_width, write_width = READ_WIDTHS.get(self.source_reads), WRITE_WIDTHS.get(self.outputs)
         features = sum(i in ("embeddings", "hidden") for i in self.inputs) * self.target_hidden_size
         checks = [
-            (self.kind in EXPORTED_KINDS, f"kind={self.kind!r} must be one of {', '.join(EXPORTED_KINDS)}"),
-            (self.kind != "linear" or self.linear_skip, "kind='linear' needs linear_skip=true"),
+            (
+                self.modules and None not in classes,
+                f"modules={self.modules} must name classes of this file: {', '.join(MODULES)}",
+            ),
+            (self.call in CALLS, f"call={self.call!r} must be one of {', '.join(CALLS)}"),
             (
                 bool(self.inputs) and set(self.inputs) <= {"source", "embeddings", "hidden"},
                 f"inputs={list(self.inputs)} must be a subset of source, embeddings, hidden",
             ),
-            (self.outputs in outputs, f"outputs={self.outputs!r} must be {' or '.join(map(repr, outputs))}"),
             (
                 0 <= self.native_bottom < self.target_num_layers and (self.mode == "direct" or not self.native_bottom),
                 f"native_bottom={self.native_bottom} must be 0, or below the target's layers in mode='direct'",
             ),
             ("hidden" not in self.inputs or self.native_bottom, "the 'hidden' input needs native_bottom > 0"),
-            (not mot or 1 <= self.top_k <= self.num_experts, f"top_k={self.top_k} must be in 1..num_experts"),
-            (not mot or self.dispatch in ("dense", "sparse"), f"dispatch={self.dispatch!r} must be dense or sparse"),
+            (not mixture or 1 <= self.top_k <= self.num_experts, f"top_k={self.top_k} must be in 1..num_experts"),
+            (
+                not mixture or self.dispatch in ("dense", "sparse"),
+                f"dispatch={self.dispatch!r} must be dense or sparse",
+            ),
             (self.output_activation in ("gelu", "none"), f"output_activation={self.output_activation!r} is unknown"),
             (
-                self.kind in ("projector", "linear", "interlat") or self.dim % self.heads == 0,  # interlat: heads of
-                # the target width, the largest divisor up to `heads`
+                not any(getattr(c, "heads_split_dim", False) for c in classes) or self.dim % self.heads == 0,
                 f"dim={self.dim} must be divisible by heads={self.heads}",
             ),
             (not self.rotary or self.output_activation == "none", "rotary=true needs output_activation='none'"),
             (
-                self.window >= 1
-                and len(self.target_layers) == self.window
-                and len(self.source_layers) == source_window,
-                f"window={self.window} must equal the number of target_layers, and that of source_layers must be "
-                f"{source_window} (window; kind='interlat': 1; kind='lsc': source_window where given)",
-            ),
-            (self.kind == "lsc" or not self.source_window, "source_window is kind='lsc''s; set 0 for the others"),
-            (
-                self.kind != "lsc" or (self.source_layers and self.source_layers == tuple(range(source_window))),
-                "kind='lsc' reads every source layer from 0: source_layers must be 0..n-1",
+                self.window >= 1 and len(self.target_layers) == self.window and self.source_layers,
+                f"window={self.window} must equal the number of target_layers, and source_layers must not be empty",
             ),
             (
-                interlat or self.source_width == source_read * ("source" in self.inputs) + features,
-                "source_width must equal source_kv_heads * source_head_dim (kind='mot_h': source_hidden_size; when it "
-                "reads the source) plus target_hidden_size per target-side input",
+                read_width is None or self.source_width == read_width(self) * ("source" in self.inputs) + features,
+                "source_width must equal the width the source hands over per layer (source_kv_heads * "
+                "source_head_dim, or source_hidden_size for its layer inputs; when it reads the source) plus "
+                "target_hidden_size per target-side input",
             ),
             (
-                interlat or self.target_width == target_write,
+                write_width is None or self.target_width == write_width(self),
                 "target_width must equal target_kv_heads * target_head_dim (outputs='hidden' or 'residual': "
                 "target_hidden_size)",
             ),
@@ -187,6 +204,8 @@ class TorchTranslatorConfig:
             raise ValueError("The translator config is not a JSON object; use the config.json written by the export.")
         if d.get("format", FORMAT) != FORMAT:
             raise ValueError(f"The config's format is {d['format']!r}, not {FORMAT!r}; load an exported translator.")
+        if "modules" not in d:  # format_version 1: its kind's name says what it is
+            d = cls.upgrade_v1(d)
         fields = {f.name: f for f in dataclasses.fields(cls)}
         required = [n for n, f in fields.items() if f.default is dataclasses.MISSING]
         missing = [n for n in required if n not in d]
@@ -194,9 +213,21 @@ class TorchTranslatorConfig:
             raise ValueError(f"The translator config lacks {', '.join(missing)}; re-export the translator.")
         return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items() if k in fields})
 
+    @staticmethod
+    def upgrade_v1(d: dict) -> dict:
+        """An export of format_version 1 (its kind's name, the kind's own fields at the top) as version 2 writes it."""
+        kind = d.get("kind", "mot")
+        if kind not in V1_KINDS or d.get("outputs", "kv") not in V1_OUTPUTS:
+            raise ValueError(f"kind={kind!r} must be one of {', '.join(V1_KINDS)}; fix config.json or re-export it.")
+        modules, call = V1_KINDS[kind]
+        reads, kv_from_hidden = V1_OUTPUTS[d.get("outputs", "kv")]
+        options = {k: d[k] for k in V1_OPTIONS.get(kind, ()) if k in d}
+        upgraded = dict(modules=modules, call=call, source_reads=reads, kv_from_hidden=kv_from_hidden, options=options)
+        return d | upgraded
+
     def to_dict(self) -> dict:
         d = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
-        return {"format": FORMAT, "format_version": 1, **d}
+        return {"format": FORMAT, "format_version": 2, **d}
 
 
 def gelu(x):
@@ -343,6 +374,8 @@ class Router(nn.Module):
 class Mixture(nn.Module):
     """One mixture of translators (K or V): top-k routing, softmax over the top-k logits, weighted sum."""
 
+    heads_split_dim = True  # its attention splits `dim` into `heads` (the config checks they divide)
+
     def __init__(self, cfg: TorchTranslatorConfig):
         super().__init__()
         self.cfg = cfg
@@ -391,6 +424,8 @@ class Projector(nn.Module):
 class Fuser(nn.Module):
     """C2C's K or V fuser (JAX: `mot_jax.translate.kinds.c2c.ResidualCacheFuser`, the formulas in its docstring) with
     its evaluation gate: receiver + 1[sigmoid(logit) >= 0.5] * residual per window layer."""
+
+    heads_split_dim = True  # its attention splits `dim` into `heads` (the config checks they divide)
 
     def __init__(self, cfg: TorchTranslatorConfig):
         super().__init__()
@@ -468,7 +503,7 @@ class LocalToShared(nn.Module):
         self.input_norm, self.input_proj = LayerNorm(width), Linear(din=width, dout=d)
         self.blocks = CrossAttentionBlocks(cfg, experts=False, count=layers)
         self.output_norm = LayerNorm(layers * d)
-        self.output_proj = Linear(din=layers * d, dout=cfg.shared_slots * cfg.shared_dim)
+        self.output_proj = Linear(din=layers * d, dout=cfg.options["shared_slots"] * cfg.options["shared_dim"])
 
     def forward(self, x, visible):
         norm = lambda x, n: layer_norm(x, n.scale, n.bias, False)
@@ -484,7 +519,7 @@ class SharedToLocal(nn.Module):
 
     def __init__(self, cfg: TorchTranslatorConfig, layers: int, width: int):
         super().__init__()
-        d, latent = cfg.dim, cfg.shared_slots * cfg.shared_dim
+        d, latent = cfg.dim, cfg.options["shared_slots"] * cfg.options["shared_dim"]
         self.input_norm, self.input_proj = LayerNorm(latent), Linear(din=latent, dout=layers * d)
         self.blocks = CrossAttentionBlocks(cfg, experts=False, count=layers)
         self.output_norm, self.output_proj = LayerNorm(layers * d), Linear(din=layers * d, dout=layers * width)
@@ -502,6 +537,8 @@ class SharedToLocal(nn.Module):
 class LatentTranslator(nn.Module):
     """LSC's K or V translator (JAX: `mot_jax.translate.kinds.lsc.LatentTranslator`): every source layer through the
     shared latent into every window (target) layer."""
+
+    heads_split_dim = True  # its attention splits `dim` into `heads` (the config checks they divide)
 
     def __init__(self, cfg: TorchTranslatorConfig):
         super().__init__()
@@ -612,15 +649,8 @@ class KVTranslator(nn.Module):
         cfg = config if isinstance(config, TorchTranslatorConfig) else TorchTranslatorConfig.from_dict(config)
         self.config = cfg
         self.rope = Rope(cfg) if cfg.apply_rotary else None
-        if cfg.kind == "mot_h":  # one mixture of the residual streams (`translate_streams`)
-            self.hidden = Mixture(cfg)
-            return
-        if cfg.kind == "interlat":  # one adapter of the last hidden states (`embed_latents`)
-            self.adapter = Adapter(cfg)
-            return
-        kinds = {"projector": Projector, "linear": NoMixture, "c2c": Fuser, "lsc": LatentTranslator}
-        module = kinds.get(cfg.kind, Mixture)
-        self.key, self.value = module(cfg), module(cfg)
+        for attribute, name in cfg.modules.items():  # as its kind builds them in JAX (`Kind.torch`)
+            setattr(self, attribute, MODULES[name](cfg))
         if cfg.linear_skip:
             self.key_skip, self.value_skip = LinearSkip(cfg), LinearSkip(cfg)
 
@@ -717,9 +747,7 @@ class KVTranslator(nn.Module):
         context [B, T, D] (`embeddings`) and its residual stream before layer `native_bottom` [B, T, D] (`hidden`).
         """
         cfg = self.config
-        calls = {"c2c": "fuse_window", "mot_h": "translate_streams", "interlat": "embed_latents"}
-        if cfg.kind in calls:
-            raise ValueError(f"A kind={cfg.kind!r} translator translates no K/V window; call {calls[cfg.kind]}.")
+        self._check_call("translate_window")
         k_in = v_in = shared = None  # each window layer's own inputs [B, T, W, ds], those all share [B, T, F]
         mask = target_mask
         if "source" in cfg.inputs:
@@ -742,9 +770,15 @@ class KVTranslator(nn.Module):
             k, v = self.key(joined(k_in), mask), self.value(joined(v_in), mask)
         if cfg.linear_skip:
             k, v = k + self.key_skip(k_in, shared), v + self.value_skip(v_in, shared)
-        if cfg.outputs == "hidden":
+        if cfg.kv_from_hidden:
             return k.permute(2, 0, 1, 3), v.permute(2, 0, 1, 3)
         return self._to_cache(k, v, mask)
+
+    def _check_call(self, call: str):
+        if self.config.call != call:
+            raise ValueError(
+                f"A kind={self.config.kind!r} translator is not served by {call}; call {self.config.call}."
+            )
 
     @staticmethod
     def _mask(target_mask, b, t, device):
@@ -760,8 +794,7 @@ class KVTranslator(nn.Module):
         per layer [B, Kt, T, dt] or stacked [Lt, B, Kt, T, dt], right-padded as the alignment) fused with the
         source's, each [W, B, Kt, T, dt]; the other arguments as `translate_window`'s."""
         cfg = self.config
-        if cfg.kind != "c2c":
-            raise ValueError(f"fuse_window is kind='c2c''s; a kind={cfg.kind!r} translator uses translate_window.")
+        self._check_call("fuse_window")
         k, v, mask = self._aligned(source_k, source_v, alignment_weights, target_mask)
         own = lambda cache: torch.stack([cache[i] for i in cfg.target_layers], 0).permute(1, 3, 0, 2, 4)
         own_k, own_v = (own(c).reshape(*k.shape[:3], -1).to(self.dtype) for c in (target_k, target_v))
@@ -771,6 +804,7 @@ class KVTranslator(nn.Module):
         """kind='mot_h': the source's input residual streams of its window layers (`config.source_layers`), per
         window slot [B, S, Ds] -> the target window layers' (`config.target_layers`) inputs [W, B, T, Dt], which
         replace the target's own in its forward over the context (`torch_pipeline.CachePipeline` does that)."""
+        self._check_call("translate_streams")
         x = torch.stack(list(source_streams), 2).to(self.dtype)  # [B, S, W, Ds]
         weights = self._weights(alignment_weights, *x.shape[:2], x.device)
         x = resample(weights, x).to(self.dtype)
@@ -779,6 +813,7 @@ class KVTranslator(nn.Module):
     def embed_latents(self, source_hidden, alignment_weights, target_mask=None):
         """kind='interlat': the source's final-normed last hidden states [B, S, Es] (transformers' last_hidden_state)
         -> the target's input embeddings of its context [B, T, Et] (its `inputs_embeds`)."""
+        self._check_call("embed_latents")
         x = torch.as_tensor(source_hidden).to(self.dtype)
         weights = self._weights(alignment_weights, *x.shape[:2], x.device)
         x = resample(weights, x).to(self.dtype)
@@ -831,6 +866,10 @@ class KVTranslator(nn.Module):
         return k.permute(2, 0, 3, 1, 4), v.permute(2, 0, 3, 1, 4)
 
     forward = translate_window
+
+
+# the module classes a config's `modules` may name (a new kind's torch module: its class here and in this table)
+MODULES = {cls.__name__: cls for cls in (Mixture, Projector, NoMixture, Fuser, LatentTranslator, Adapter)}
 
 
 def load(folder, device="cpu", dtype=torch.float32) -> KVTranslator:

@@ -70,13 +70,18 @@ def translator_config(translator, source, target) -> dict:
             "to export; serve the target reading its context itself (native)."
         )
     target_cfg = _config(target)
-    if spec.outputs == "hidden" and not target_cfg.rotary:
+    if spec.kv_from_hidden and not target_cfg.rotary:
         raise MotJaxError(
             f"The PyTorch export of outputs='hidden' covers rotary targets (Llama, Qwen2, Qwen3, Gemma-3), not "
             f"{target_cfg.family!r}; evaluate this translator in JAX or train it with outputs='kv'."
         )
-    out = {"format": FORMAT, "format_version": 1}
-    out |= translator.cfg.to_dict() | spec.to_dict()
+    kind = kinds.get(translator.cfg.kind)
+    own = dict(translator.cfg.options)  # the kind's own fields: under "options", where the torch side reads them
+    out = {"format": FORMAT, "format_version": 2}
+    out |= {k: v for k, v in translator.cfg.to_dict().items() if k not in own} | spec.to_dict()
+    # what the torch side builds and calls, as the kind declares it
+    out |= dict(modules=kind.torch, call=kind.torch_call, options=own)
+    out |= dict(source_reads=spec.source_reads.name, kv_from_hidden=spec.kv_from_hidden)
     for side, model in (("source", source), ("target", target)):
         cfg = _config(model)
         out |= {f"{side}_num_layers": cfg.num_layers, f"{side}_kv_heads": cfg.num_kv_heads}

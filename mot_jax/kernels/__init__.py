@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mot_jax.errors import cause
+from mot_jax.errors import MotJaxError, cause
 from mot_jax.files import atomic_file, remove_leftovers, sha256_of
 from mot_jax.paths import cache_lock, cache_root
 
@@ -150,9 +150,23 @@ def _reason(e: Exception) -> str:
     return f"{first} ({where})"
 
 
+ATTENTION_CHOICES = ("fused", "xla")  # MOT_JAX_ATTENTION: the kernel where it applies (default), or XLA's always
+
+
+def attention_choice() -> str:
+    """MOT_JAX_ATTENTION, refused in one line when it names no choice (rather than taken as the default)."""
+    choice = os.environ.get("MOT_JAX_ATTENTION", "fused")
+    if choice not in ATTENTION_CHOICES:
+        raise MotJaxError(
+            f"MOT_JAX_ATTENTION={choice!r} is not one of {', '.join(ATTENTION_CHOICES)}; unset it (the kernel) or "
+            "set MOT_JAX_ATTENTION=xla (XLA's attention)."
+        )
+    return choice
+
+
 def supports(q, k, v, softcap) -> bool:
     """Whether `attention` can take these inputs (else the caller uses the reference path)."""
-    dtype = q.dtype
+    dtype, choice = q.dtype, attention_choice()
     return (
         k.dtype == dtype
         and v.dtype == dtype
@@ -160,7 +174,7 @@ def supports(q, k, v, softcap) -> bool:
         and k.shape[-1] == v.shape[-1] == q.shape[-1]
         and (softcap is None or softcap > 0)
         and not _xla_only
-        and os.environ.get("MOT_JAX_ATTENTION", "fused") != "xla"
+        and choice != "xla"
         and jax.process_count() == 1  # it has no partitioning rule: across processes XLA's collectives stay XLA's
         and available()
     )

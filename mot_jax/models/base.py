@@ -222,8 +222,8 @@ class CausalLM(nnx.Module):
                 x = hook.layer_input(x, layer, record)
             view = LayerCache(k_all, v_all, layer, cache, positions, fresh, hooks, record, self.config.windows)
             if rope is not None:
-                which, cos, sin = rope
-                view.rope = (cos[which[layer]], sin[which[layer]])
+                layer_rope, cos, sin = rope
+                view.rope = (cos[layer_rope[layer]], sin[layer_rope[layer]])
             x = nnx.merge(graphdef, bits_as_bf16(layer_params))(x, positions, layer, view)
             return (x, view.k_all, view.v_all), record.values
 

@@ -79,11 +79,11 @@ def base_config(d: dict, family: str, **overrides) -> ModelConfig:
 
 def rope_table(cfg: ModelConfig):
     """[L, head_dim / 2] RoPE inverse frequencies of every layer."""
-    freqs, kinds = rope_kinds(cfg)
-    return freqs[kinds]
+    freqs, layer_rope = rope_variants(cfg)
+    return freqs[layer_rope]
 
 
-def rope_kinds(cfg: ModelConfig):
+def rope_variants(cfg: ModelConfig):
     """(inverse frequencies [F, head_dim / 2] of the F distinct RoPEs, each layer's index into them [L]): sliding
     layers use the local RoPE."""
     sliding = [w < GLOBAL_WINDOW for w in cfg.windows]
@@ -182,9 +182,9 @@ class RotaryLM(CausalLM):
 
     def rope_tables(self, positions):
         """See `CausalLM.rope_tables`: a table per distinct RoPE (Gemma-3's sliding layers have their own)."""
-        freqs, kinds = rope_kinds(self.config)
+        freqs, layer_rope = rope_variants(self.config)
         tables = [rope_tables(positions, f, self.param_dtype) for f in freqs]
-        return kinds, jnp.stack([c for c, _ in tables]), jnp.stack([s for _, s in tables])
+        return layer_rope, jnp.stack([c for c, _ in tables]), jnp.stack([s for _, s in tables])
 
     def token_embeddings(self, ids):
         x = self.embed_tokens(ids)

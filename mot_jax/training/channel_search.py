@@ -10,12 +10,13 @@ import ml_collections
 from absl import logging
 from etils import epath
 
-from mot_jax.training.setup import Pair, translation
+from mot_jax.models.model_pair import ModelPair
+from mot_jax.training.setup import translation
 from mot_jax.training.trainer import Trainer, fit
 from mot_jax.translate import channels
 
 
-def search_channels(config, pair: Pair, datasets, mesh, workdir: epath.Path) -> channels.ChannelMap:
+def search_channels(config, pair: ModelPair, datasets, mesh, workdir: epath.Path) -> channels.ChannelMap:
     """The depth-ratio proxy search: every candidate window trains a single translator with the training step for
     `search_steps` and is scored by its validation loss; the scores go to workdir/channel_search.json."""
     c = config.translator.channels
@@ -50,7 +51,7 @@ def search_channels(config, pair: Pair, datasets, mesh, workdir: epath.Path) -> 
     return chosen
 
 
-def resolve_channels(config, pair: Pair, datasets=None, mesh=None, workdir=None) -> channels.ChannelMap:
+def resolve_channels(config, pair: ModelPair, datasets=None, mesh=None, workdir=None) -> channels.ChannelMap:
     """The config's channel map. Only the depth-ratio search uses `datasets`, `mesh` and `workdir` (it trains on
     them and writes its scores there); every other mode needs the pair alone."""
     c = config.translator.channels

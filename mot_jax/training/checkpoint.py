@@ -15,6 +15,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from mot_jax.errors import MotJaxError, cause
+from mot_jax.training import saved
 
 # what the training loop and load_trained read from a checkpoint's meta (every saved version has them)
 META_KEYS = ("step", "channel_map", "identity", "config", "initial_validation", "best_validation_loss")
@@ -80,7 +81,7 @@ class Checkpoints:
             raise self._unreadable(
                 manager, step, f"its meta has no {', '.join(missing)}: written by another version or program"
             )
-        return meta
+        return saved.upgrade_meta(meta)  # as today's version writes it
 
     def restore(self, state, step: int | None = None, which: str = "last"):
         """The saved arrays in the structure, dtypes and shardings of `state` (a live or abstract pytree); leaves

@@ -207,6 +207,8 @@ def check(c: ml_collections.ConfigDict):
             raise MotJaxError(
                 f"{key}={value!r} must be a finite number of at least 0; pass --config.{key}=W with W >= 0."
             )
+    # another kind's field set away from its default would change nothing
+    kinds.check_foreign_fields(c.translator.kind, {k: c.translator[k] for k in kinds.fields() if k in c.translator})
     held_out, fit_batches = c.translator.skip_ridge_held_out, c.translator.skip_fit_batches
     if held_out and held_out >= fit_batches:
         raise MotJaxError(

@@ -245,7 +245,7 @@ def make_layout(pair, spec, kind: str, reads: bool, batch) -> Layout:
 def attach_features(config, pair, spec, kind: str, stream: data.Batches, validation: list):
     """(the training stream, the validation batches) reading their chunks' features from the cache (built first
     where missing)."""
-    if getattr(spec, "layer_inputs", False) or getattr(spec, "last_hidden", False):
+    if spec.source_reads is not kinds.KV:
         raise MotJaxError(
             f"data.feature_cache does not cover kind={kind!r} (the source hands over hidden states); pass "
             "--config.data.feature_cache=false."

@@ -24,6 +24,7 @@ from etils import epath
 from mot_jax import multihost
 from mot_jax.errors import Interrupted, MotJaxError, cause
 from mot_jax.locks import file_lock
+from mot_jax.models.model_pair import ModelPair, load_pair
 from mot_jax.paths import as_path, cache_root
 from mot_jax.training import config as config_lib
 from mot_jax.training import data
@@ -33,11 +34,9 @@ from mot_jax.training.features import attach_features
 from mot_jax.training.report import Logger, closing_report
 from mot_jax.training.setup import (
     Datasets,
-    Pair,
     check_identity,
     config_changes,
     identity,
-    load_pair,
     make_datasets,
     make_mesh,
     translation,
@@ -116,7 +115,7 @@ def train_and_evaluate(config, workdir) -> dict:
             checkpoints.close()  # waits for the last save and stops Orbax's threads on every way out
 
 
-def train_in(workdir, config, mesh, pair: Pair, datasets: Datasets, checkpoints: Checkpoints) -> dict:
+def train_in(workdir, config, mesh, pair: ModelPair, datasets: Datasets, checkpoints: Checkpoints) -> dict:
     """train_and_evaluate once the workdir is locked and the models and data are loaded."""
     start = checkpoints.latest_step() or 0
     if config.steps < start:
@@ -155,7 +154,7 @@ def train_in(workdir, config, mesh, pair: Pair, datasets: Datasets, checkpoints:
     else:
         if tcfg.linear_skip:
             t = config.translator
-            start_linear_skip(trainer, datasets.train, t.skip_fit_batches, t.get("skip_ridge_held_out", 0))
+            start_linear_skip(trainer, datasets.train, t.skip_fit_batches, t.skip_ridge_held_out)
         initial = trainer.evaluate(validation, progress="Validation loss, untrained") | dict(
             held_out_ce=trainer.evaluate(held_out, progress="Held-out CE, untrained")["ce"],
             held_out_retrieval_ce=trainer.evaluate(retrieval, progress="Held-out retrieval CE, untrained")["ce"],
@@ -221,9 +220,8 @@ def train_in(workdir, config, mesh, pair: Pair, datasets: Datasets, checkpoints:
     finally:
         logger.close()
     results = trainer.baselines(held_out, "Closing table, held-out") | dict(untrained=initial["held_out_ce"])
-    # a run resumed from a checkpoint written before the retrieval rows existed has no untrained retrieval CE
     retrieval_ce = trainer.baselines(retrieval, "Closing table, retrieval rows")
-    results["retrieval"] = retrieval_ce | dict(untrained=initial.get("held_out_retrieval_ce"))
+    results["retrieval"] = retrieval_ce | dict(untrained=initial["held_out_retrieval_ce"])
     summary = dict(
         steps=config.steps,
         seconds=round(time.perf_counter() - began, 1),

@@ -8,12 +8,11 @@ import json
 
 import jax
 import numpy as np
-from absl import logging
 from etils import epath
 
 from mot_jax import sharding
 from mot_jax.errors import MotJaxError
-from mot_jax.models.loading import load_model, load_tokenizer
+from mot_jax.models.model_pair import ModelPair
 from mot_jax.training import chunk_table, corpus, data
 from mot_jax.translate import kinds, window
 from mot_jax.translate.config import TranslatorConfig
@@ -25,26 +24,12 @@ TRANSLATOR_KEYS = [f.name for f in dataclasses.fields(TranslatorConfig) if f.nam
 
 
 @dataclasses.dataclass
-class Pair:
-    source: object
-    target: object
-    source_tokenizer: object
-    target_tokenizer: object
-
-
-def load_pair(config) -> Pair:
-    logging.info("Loading source %s and target %s (%s)", config.source, config.target, config.dtype)
-    source, target = (load_model(name, config.dtype)[0] for name in (config.source, config.target))
-    return Pair(source, target, load_tokenizer(config.source), load_tokenizer(config.target))
-
-
-@dataclasses.dataclass
 class Datasets:
     train: data.Batches  # the shuffled infinite stream; `batch(position)`
     validation: list  # fixed batches: the first `eval_batches` score checkpoints, the next ones are held out
 
 
-def make_datasets(config, pair: Pair, rows: slice = slice(None)) -> Datasets:
+def make_datasets(config, pair: ModelPair, rows: slice = slice(None)) -> Datasets:
     """`rows`: the rows of each global batch this process builds (multihost.local_rows; all of them by default)."""
     d = config.data
     documents = corpus.documents(d.corpus, d.data_dir or None)
@@ -103,7 +88,7 @@ def make_mesh(config) -> jax.sharding.Mesh:
     return mesh
 
 
-def translation(config, channel_map, pair: Pair, **overrides) -> tuple[TranslationSpec, TranslatorConfig]:
+def translation(config, channel_map, pair: ModelPair, **overrides) -> tuple[TranslationSpec, TranslatorConfig]:
     """The config's translator for this pair and channel map; `overrides` replace TranslatorConfig fields."""
     t = config.translator
     num_target_layers = pair.target.config.num_layers
@@ -127,7 +112,7 @@ def translation(config, channel_map, pair: Pair, **overrides) -> tuple[Translati
     return spec, mixture_config(spec, pair.source, pair.target, **kwargs)
 
 
-def identity(config, spec: TranslationSpec, tcfg: TranslatorConfig, pair: Pair) -> dict:
+def identity(config, spec: TranslationSpec, tcfg: TranslatorConfig, pair: ModelPair) -> dict:
     """What a checkpoint must match to be resumed: the model pair and the translator's shape and wiring."""
     return json.loads(
         json.dumps(
@@ -145,10 +130,7 @@ def identity(config, spec: TranslationSpec, tcfg: TranslatorConfig, pair: Pair) 
 
 
 def check_identity(saved: dict, current: dict, workdir: epath.Path):
-    saved = saved | {
-        "translator": TranslatorConfig.with_added_fields(saved.get("translator", {})),
-        "spec": TranslationSpec.with_added_fields(saved.get("spec", {})),
-    }
+    """Refuse to resume a run whose identity (`Checkpoints.read_meta`'s, upgraded) differs from this config's."""
     differ = sorted(k for k in current if saved.get(k) != current[k])
     if differ:
         raise MotJaxError(

@@ -24,11 +24,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 from mot_jax import sharding
 from mot_jax.errors import MotJaxError
 from mot_jax.models.hooks import Forward
+from mot_jax.models.model_pair import ModelPair
 from mot_jax.models.registry import resolve_dtype
 from mot_jax.progress import metered
 from mot_jax.training import data, objective
 from mot_jax.training.optim import adamw
-from mot_jax.training.setup import Pair
 from mot_jax.translate import kinds
 from mot_jax.translate.donors import donor_indices, regrid
 from mot_jax.translate.linear_skip import RIDGE_GRID, choose_ridge, linear_skip_sums, solve_linear_skip
@@ -38,7 +38,7 @@ from mot_jax.translate.translator import KVTranslator
 class Trainer:
     """The jitted train and eval steps of one translator shape over a mesh, and the state they update."""
 
-    def __init__(self, config, pair: Pair, spec, tcfg, mesh, total_steps: int):
+    def __init__(self, config, pair: ModelPair, spec, tcfg, mesh, total_steps: int):
         self.config, self.pair, self.mesh = config, pair, mesh
         rules = sharding.FSDP_RULES if config.mesh.fsdp else sharding.RULES
         for model in (pair.source, pair.target):
@@ -195,7 +195,7 @@ class Trainer:
         `ridge` and (with held-out batches) the `held_out` error [G, W] of each ridge of the grid, before the refit."""
         totals = self.skip_statistics(batches)
         held = self.skip_statistics(held_out)
-        ridge = self.config.translator.get("skip_ridge", 1e-3)  # runs saved before the key: its default
+        ridge = self.config.translator.skip_ridge
         translator = nnx.merge(self.graphdef, self.state["params"])
         results = {}
         for name in ("key", "value"):

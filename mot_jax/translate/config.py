@@ -1,12 +1,12 @@
 """The translator's config: its shape and switches (`TranslatorConfig`), the fields every kind shares plus the
-kind's own (`Kind.fields`), and its dict form, the codec of checkpoints' identities and export configs."""
+kind's own (`Kind.fields`), and its dict form, the codec of checkpoints' identities and export configs.
+
+Plain data: `kinds.translator_config` fills in a kind's own defaults and refuses other kinds' fields;
+`mot_jax.training.saved` upgrades the dicts that older runs saved."""
 
 from __future__ import annotations
 
 import dataclasses
-
-from mot_jax.errors import MotJaxError
-from mot_jax.translate import kinds
 
 
 @dataclasses.dataclass(frozen=True, init=False)
@@ -14,7 +14,8 @@ class TranslatorConfig:
     """Shape and switches of one K or V mixture. Paper defaults: dim 1024, 16 heads, depth 2, mlp_ratio 4, N=2, k=1.
 
     The fields every kind shares; a kind's own fields (`Kind.fields`, e.g. LSC's `shared_slots`) are passed and read
-    like these (`cfg.shared_slots`) and held in `options`. A projector (`kind="projector"`) reads only the widths,
+    like these (`cfg.shared_slots`) and held in `options` (`kinds.translator_config` adds their defaults). A
+    projector (`kind="projector"`) reads only the widths,
     window, `dim` and `output_activation`.
     """
 
@@ -36,21 +37,15 @@ class TranslatorConfig:
     linear_skip: bool = False  # ours: a linear map per window layer beside the translator, fitted by least squares
     options: tuple = ()  # the kind's own fields, sorted (name, value) pairs, each read as an attribute
 
-    def __init__(self, source_width, target_width, window, **kwargs):
-        own = kinds.get(kwargs.get("kind", "mot")).fields
-        options = own | dict(kwargs.pop("options", ()))
+    def __init__(self, source_width, target_width, window, options=(), **own):
+        """The shared fields by name; the kind's own as keywords (`own`) or `options` pairs, taken as given: a
+        config with its kind's defaults and refusals is `kinds.translator_config(...)`."""
         for field in dataclasses.fields(self)[3:-1]:
-            object.__setattr__(self, field.name, kwargs.pop(field.name, field.default))
-        unknown = sorted(set(kwargs) - set(own))
-        if unknown:
-            raise MotJaxError(
-                f"{', '.join(unknown)} {'is not a field' if len(unknown) == 1 else 'are not fields'} of a "
-                f"kind={self.kind!r} translator; drop {'it' if len(unknown) == 1 else 'them'} or change the kind."
-            )
+            object.__setattr__(self, field.name, own.pop(field.name, field.default))
         widths = dict(source_width=source_width, target_width=target_width, window=window)
         for name, value in widths.items():
             object.__setattr__(self, name, value)
-        object.__setattr__(self, "options", tuple(sorted((options | kwargs).items())))
+        object.__setattr__(self, "options", tuple(sorted((dict(options) | own).items())))
 
     def __getattr__(self, name):  # only for names that are not fields: the kind's own
         for key, value in self.__dict__.get("options", ()):
@@ -70,19 +65,8 @@ class TranslatorConfig:
 
     @classmethod
     def from_dict(cls, saved: dict) -> TranslatorConfig:
-        """Back from `to_dict()`, also as saved before later fields existed (`with_added_fields`)."""
-        return cls(**cls.with_added_fields(saved))
-
-    @staticmethod
-    def with_added_fields(saved: dict) -> dict:
-        """A saved dict plus the fields added after runs were saved, at the value those runs had, so that they
-        still resume and load (fixed here: a later change of a default must not change an old run), less the
-        fields of other kinds that runs saved before each kind held its own (LSC's, and its `source_window`, which
-        its spec gives)."""
-        saved = dict(kind="mot", linear_skip=False) | saved
-        own = kinds.get(saved["kind"]).fields
-        shared = {f.name for f in dataclasses.fields(TranslatorConfig)} - {"options"}
-        return {k: v for k, v in (own | saved).items() if k in shared or k in own}
+        """Back from `to_dict()` (a dict an older run saved: `mot_jax.training.saved` first)."""
+        return cls(**saved)
 
     def capacities(self, length):
         """Sparse dispatch's query slot counts per expert and row below `length`, smallest first: the factor's

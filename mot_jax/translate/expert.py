@@ -11,16 +11,12 @@ the sparse path. The two paths therefore give the same numbers for a routed toke
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from mot_jax.models.layers import MASK_VALUE, LayerNorm, Linear, einsum
-
-if TYPE_CHECKING:  # the config asks the kinds registry, whose kinds import this module
-    from mot_jax.translate.config import TranslatorConfig
+from mot_jax.translate.config import TranslatorConfig
 
 EPS = 1e-5
 

@@ -38,7 +38,7 @@ def linear_skip_sums(
     spec = translator.spec
     _, features = run_native_bottom(spec, target, target_ids, mask, target.init_cache(*target_ids.shape))
     *own, shared = window_parts(spec, source, target, source_cache, alignment, features)
-    if spec.outputs == "hidden":  # the window layers' native inputs, RMS-normalised (their norms ignore the scale)
+    if spec.kv_from_hidden:  # the window layers' native inputs, RMS-normalised (their norms ignore the scale)
         below = Forward(target_ids, mask, stop=max(spec.target_layers) + 1)
         every = target.run_layers(below, hooks=[LayerInputs()]).records["inputs"]
         layer_input = rms_normalized(every[jnp.asarray(spec.target_layers)].transpose(1, 2, 0, 3))

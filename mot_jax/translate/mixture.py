@@ -13,18 +13,14 @@ Also returned: the Switch load-balancing loss and the router z-loss (for the tra
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from mot_jax.errors import MotJaxError
 from mot_jax.models.layers import LayerNorm, Linear, einsum
+from mot_jax.translate.config import TranslatorConfig
 from mot_jax.translate.expert import EPS, Experts, gelu, torch_std
-
-if TYPE_CHECKING:  # the config asks the kinds registry, which imports this module
-    from mot_jax.translate.config import TranslatorConfig
 
 
 class Router(nnx.Module):

@@ -13,9 +13,8 @@ from mot_jax.translate import channels, kinds, window
 
 MODES = ("replay", "direct")
 INPUTS = ("source", "embeddings", "hidden")  # what the translator may read per token (TranslationSpec.inputs)
-# what it writes per token and layer; a kind may force one of FORCED (`Kind.outputs`)
-OUTPUTS = ("kv", "hidden")
-FORCED = {"residual": "the window layers' input residual streams", "embeddings": "the target's input embeddings"}
+# what it writes per token and layer; a kind may force its own (`Kind.outputs`)
+OUTPUTS = tuple(kinds.WINDOW_OUTPUTS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,9 +31,8 @@ class TranslationSpec:
     rotary: bool = False  # un-rotate source keys, translate, re-rotate at target positions
     native_bottom: int = 0  # direct: the target's own layers below this run over the context (their K/V native)
     inputs: tuple = ("source",)  # per token, a subset of INPUTS
-    # K/V (paper), or layer inputs that the target's own K/V projections turn into K/V (ours, "hidden"), or
-    # "residual" (kind='mot_h'): the window layers' input residual streams, replacing the target's own in its forward,
-    # or "embeddings" (kind='interlat'): the target's input embeddings, from the source's last hidden states
+    # K/V (paper), or layer inputs that the target's own K/V projections turn into K/V (ours, "hidden"), or what a
+    # kind forces (`Kind.outputs`: MoT-h's residual streams, Interlat's input embeddings); `written` says what it is
     outputs: str = "kv"
 
     @property
@@ -42,20 +40,30 @@ class TranslationSpec:
         return "source" in self.inputs
 
     @property
-    def layer_inputs(self) -> bool:
-        """kind='mot_h': the source hands over its layers' input residual streams (`source_read`), not its K/V."""
-        return self.outputs == "residual"
+    def written(self) -> kinds.Outputs:
+        """What the translator writes (`outputs`) as its kind declares it: widths, the source's read, ..."""
+        return kinds.outputs(self.outputs)
 
     @property
-    def last_hidden(self) -> bool:
-        """kind='interlat': the source hands over its last layer's (final-normed) hidden states (`source_read`)."""
-        return self.outputs == "embeddings"
+    def source_reads(self) -> kinds.SourceRead:
+        """What the source hands over: its K/V, its layers' input residual streams or its last hidden states."""
+        return self.written.reads
 
     @property
     def source_hands(self) -> dict:
-        """What the source hands over, as `source_read`'s flags: its K/V (both off), its layers' input residual
-        streams or its last hidden states."""
-        return dict(layer_inputs=self.layer_inputs, last_hidden=self.last_hidden)
+        """What the source hands over, as `source_read`'s flags."""
+        return self.source_reads.flags
+
+    @property
+    def kv_from_hidden(self) -> bool:
+        """The translator writes layer inputs that the target's own projections, k-norm and RoPE turn into K/V."""
+        return self.written.projected
+
+    @property
+    def replays_kv(self) -> bool:
+        """The target re-reads its context with translated K/V in its window layers (a replay, whose attention may
+        be sparse); not a kind's forward with other inputs replaced."""
+        return self.mode == "replay" and self.written.kv
 
     @property
     def attention_topk(self) -> int:
@@ -68,15 +76,8 @@ class TranslationSpec:
 
     @classmethod
     def from_dict(cls, saved: dict) -> TranslationSpec:
-        """Back from `to_dict()` (JSON lists to tuples), also as saved before later fields existed
-        (`with_added_fields`)."""
-        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in cls.with_added_fields(saved).items()})
-
-    @staticmethod
-    def with_added_fields(saved: dict) -> dict:
-        """A saved dict (JSON form) plus the fields added after runs were saved, at the value those runs had, so
-        that they still resume and load (fixed here: a later change of a default must not change an old run)."""
-        return dict(native_bottom=0, inputs=["source"], outputs="kv") | saved
+        """Back from `to_dict()` (JSON lists to tuples; a dict an older run saved: `mot_jax.training.saved` first)."""
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()})
 
     @classmethod
     def build(
@@ -102,10 +103,10 @@ class TranslationSpec:
         if kind.outputs:
             if outputs != "kv":
                 raise MotJaxError(
-                    f"kind={kind.name!r} writes {FORCED[kind.outputs]}, not outputs={outputs!r}; leave outputs at "
+                    f"kind={kind.name!r} writes {kind.outputs.what}, not outputs={outputs!r}; leave outputs at "
                     "'kv' (its default)."
                 )
-            outputs = kind.outputs
+            outputs = kind.outputs.name
         inputs = tuple(inputs)
         if not inputs or any(i not in INPUTS for i in inputs) or len(set(inputs)) < len(inputs):
             raise MotJaxError(f"Bad translator inputs {inputs!r}; pass a comma list of {', '.join(INPUTS)}.")

@@ -50,15 +50,12 @@ from mot_jax.translate.window import join_shared, target_side, translate_window
 
 
 def mixture_config(spec: TranslationSpec, source: CausalLM, target: CausalLM, **kwargs) -> TranslatorConfig:
-    s, t = source.config, target.config
-    target_features = sum(i != "source" for i in spec.inputs) * t.hidden_size
-    source_width = s.hidden_size if spec.layer_inputs else s.num_kv_heads * s.head_dim
-    target_width = t.hidden_size if spec.outputs in ("hidden", "residual") else t.num_kv_heads * t.head_dim
-    if spec.last_hidden:  # kind='interlat': hidden states in, input embeddings out
-        source_width, target_width = source.embedding_width, target.embedding_width
-    return TranslatorConfig(
-        source_width=source_width * spec.reads_source + target_features,
-        target_width=target_width,
+    """The config of a translator for `spec` between the two models: its widths from what it reads and writes (the
+    kind's declarations, `spec.written`), `kwargs` its other fields (`kinds.translator_config`)."""
+    target_features = sum(i != "source" for i in spec.inputs) * target.config.hidden_size
+    return kinds.translator_config(
+        source_width=spec.source_reads.width(source) * spec.reads_source + target_features,
+        target_width=spec.written.width(target),
         window=len(spec.target_layers),
         **kwargs,
     )
@@ -89,17 +86,13 @@ class KVTranslator(nnx.Module):
     theirs."""
 
     def __init__(self, spec: TranslationSpec, cfg: TranslatorConfig, *, rngs, dtype=jnp.float32):
-        kind = kinds.get(cfg.kind)
-        kind.check(spec, cfg)  # first: a kind's own refusal says why a switch means nothing for it
-        owner = next((k for k in map(kinds.get, kinds.names()) if k.outputs and k.outputs == spec.outputs), None)
-        if owner and owner is not kind:
-            raise MotJaxError(f"outputs={spec.outputs!r} is kind={owner.name!r}'s; set kind={owner.name!r}.")
+        kinds.check(spec, cfg)
         if spec.rotary and cfg.output_activation != "none":
             raise MotJaxError("rotary=True needs output_activation='none' (rotated keys take any sign).")
         self.spec, self.cfg = spec, cfg
         if not spec.target_layers:  # native_bottom = L: nothing to translate (native context), no parameters
             return
-        for name, module in kind.build(spec, cfg, rngs, dtype).items():
+        for name, module in kinds.get(cfg.kind).build(spec, cfg, rngs, dtype).items():
             setattr(self, name, module)
         if cfg.linear_skip:
             self.key_skip, self.value_skip = LinearSkip(cfg, dtype=dtype), LinearSkip(cfg, dtype=dtype)
@@ -117,10 +110,10 @@ class KVTranslator(nnx.Module):
 
 def source_read(source: CausalLM, source_ids, source_mask, topk=0, layer_inputs=False, last_hidden=False):
     """The source's prefill of its context as a translator reads it: (its cache, its attention's top-k key indices
-    [Ls, B, S, k] with `topk > 0`, else None). `layer_inputs` (`spec.layer_inputs`, MoT-h's): the cache's K holds
-    every layer's input residual stream [Ls, B, S, D] as one head of width D, and V nothing (width 0), so that
-    batching, the alignment and `window_block` take the streams as they take K. `last_hidden` (`spec.last_hidden`,
-    Interlat's): so does the last layer's final-normed output [1, B, 1, S, E], one layer."""
+    [Ls, B, S, k] with `topk > 0`, else None; `spec.source_hands` gives the flags). `layer_inputs` (MoT-h's): the
+    cache's K holds every layer's input residual stream [Ls, B, S, D] as one head of width D, and V nothing (width 0),
+    so that batching, the alignment and `window_block` take the streams as they take K. `last_hidden` (Interlat's):
+    so does the last layer's final-normed output [1, B, 1, S, E], one layer."""
     hooks = ([TopKeys(topk)] if topk else []) + ([LayerInputs()] if layer_inputs else [])
     run = source.run_layers(Forward(source_ids, source_mask), hooks=hooks)
     cache = run.cache

@@ -142,7 +142,7 @@ def translate_window(translator, source: CausalLM, target: CausalLM, source_cach
     k, v, shared = window_parts(spec, source, target, source_cache, alignment, features)
     k, v, aux = translator(k, v, mask, shared)
     pos = positions_from_mask(mask)
-    if spec.outputs == "hidden":  # layer inputs: the target's own projections, k-norm and RoPE make the K/V
+    if spec.kv_from_hidden:  # layer inputs: the target's own projections, k-norm and RoPE make the K/V
         k, v = target.window_key_values(spec.target_layers, k, v, pos)  # [B, T, W, Kt, dt]
         return to_cache(k, target), to_cache(v, target), aux
     heads = lambda y: y.reshape(*y.shape[:3], t.num_kv_heads, t.head_dim)

@@ -39,7 +39,6 @@ This is the MoT authors' C2C, which the paper's comparison ran, not thu-nics/C2C
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -49,12 +48,10 @@ from mot_jax.errors import MotJaxError
 from mot_jax.models.hooks import Forward
 from mot_jax.models.layers import LayerNorm, Linear
 from mot_jax.translate import channels
+from mot_jax.translate.config import TranslatorConfig
 from mot_jax.translate.expert import EPS, CrossAttentionBlocks, chain, gelu, output_head, torch_std
-from mot_jax.translate.kinds import Kind, register
+from mot_jax.translate.kinds.registry import Kind, refuse, register
 from mot_jax.translate.window import to_cache, window_block, window_inputs
-
-if TYPE_CHECKING:  # the config asks the kinds registry, which imports this module
-    from mot_jax.translate.config import TranslatorConfig
 
 GATE_INIT = 1.5  # the gate logits at init: sigmoid(1.5) = 0.82, every layer's gate open (reference)
 TEMPERATURE = (1.0, 0.1)  # the training gate's temperature at the first and the last step (reference)
@@ -151,9 +148,7 @@ def check_fusable(spec, cfg: TranslatorConfig):
         (spec.rotary, "adds residuals to the receiver's rotated keys; set rotary=False"),
         (cfg.linear_skip, "has no linear skip; set linear_skip=False"),
     )
-    for refused, why in refusals:
-        if refused:
-            raise MotJaxError(f"kind='c2c' {why}.")
+    refuse("c2c", refusals)
 
 
 def fuse(translator, own_k, own_v, k, v, mask, noise=None):
@@ -215,5 +210,7 @@ register(
         receiver=True,
         recipe={"translator.mode": "direct", "loss.correction_weight": 0.0},  # the reference's loss: the suffix CE
         noise=gate_noises,
+        torch={"key": "Fuser", "value": "Fuser"},
+        torch_call="fuse_window",  # with the target's own cache of the context
     )
 )

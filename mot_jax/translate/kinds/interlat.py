@@ -46,22 +46,18 @@ interlat`, as the reference).
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mot_jax.errors import MotJaxError
 from mot_jax.models.base import first_valid_index
 from mot_jax.models.hooks import Forward
 from mot_jax.models.layers import MASK_VALUE, LayerNorm, Linear, einsum
 from mot_jax.translate import align as alignment_lib
+from mot_jax.translate.config import TranslatorConfig
 from mot_jax.translate.expert import EPS, gelu, torch_std
-from mot_jax.translate.kinds import Kind, register
-
-if TYPE_CHECKING:  # the config asks the kinds registry, which imports this module
-    from mot_jax.translate.config import TranslatorConfig
+from mot_jax.translate.kinds.registry import LAST_HIDDEN, Kind, Outputs, refuse, register
 
 DROPOUT = 0.1  # on the adapter's attention weights, in training
 CLIP = 10.0  # the adapter's outputs are clipped to [-CLIP, CLIP]
@@ -177,15 +173,9 @@ def check_spec(spec, cfg: TranslatorConfig):
         (spec.native_bottom, "feeds the latents to the target's first layer; set native_bottom=0"),
         (tuple(spec.inputs) != ("source",), "reads the source's last hidden states alone; set inputs='source'"),
         (spec.rotary, "sends hidden states, which hold no rotated keys; set rotary=False"),
-        (
-            spec.outputs != "embeddings",
-            "writes input embeddings; build its spec with kind='interlat'",
-        ),
         (cfg.linear_skip, "has no linear skip; set linear_skip=False"),
     )
-    for refused, why in refusals:
-        if refused:
-            raise MotJaxError(f"kind='interlat' {why}.")
+    refuse("interlat", refusals)
 
 
 def embed_latents(translator, source, target, source_cache, alignment, target_ids, mask, capacity, receiver, noise):
@@ -219,7 +209,16 @@ register(
         build=lambda spec, cfg, rngs, dtype: {"adapter": Adapter(cfg, rngs=rngs, dtype=dtype)},
         translate=embed_latents,
         check=check_spec,
-        outputs="embeddings",
+        # the target's input embeddings, from the source's last hidden states (both at the models' embedding widths)
+        outputs=Outputs(
+            "embeddings",
+            "the target's input embeddings",
+            lambda model: model.embedding_width,
+            reads=LAST_HIDDEN,
+            kv=False,
+        ),
+        torch={"adapter": "Adapter"},
+        torch_call="embed_latents",
         window=lambda num_source, num_target: ((num_source - 1,), range(num_target)),  # one read: the last layer
         # the reference's adapter has 8 heads; its loss has no K/V MSE
         recipe={"translator.mode": "direct", "translator.heads": 8, "loss.correction_weight": 0.0},

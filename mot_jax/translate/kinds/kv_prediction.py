@@ -27,7 +27,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from mot_jax.errors import MotJaxError
-from mot_jax.translate.kinds import Kind, linear, register
+from mot_jax.translate.kinds.linear import build as linear_build
+from mot_jax.translate.kinds.registry import Kind, register
 
 
 def layer_l1(got, want, mask):
@@ -69,7 +70,7 @@ register(
     Kind(
         name="kv_prediction",
         label=lambda t: f"KV Prediction ({t.mode})",
-        build=linear.build,  # the linear kind's modules: the least-squares-started maps are the translation
+        build=linear_build,  # the linear kind's modules: the least-squares-started maps are the translation
         check=check,
         # the reference: the base model never reads the context; linear maps from the aux K/V (keys before RoPE),
         # trained on the base model's CE plus per-layer L1 on K and V, no MSE
@@ -85,6 +86,7 @@ register(
         },
         extra_loss=extra_loss,
         fields=dict(l1_weight=1.0),  # on l1_k + l1_v, beside the prompt CE at loss.ce_weight
-        no_export="torch_translator.py picks its modules by kind name and serves these linear maps as kind linear only",
+        # its maps are kind linear's (`torch={"key": "NoMixture", ...}` would build them), not yet checked there
+        no_export="its PyTorch side is not yet checked against its JAX outputs",
     )
 )

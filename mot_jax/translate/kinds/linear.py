@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mot_jax.errors import MotJaxError
-from mot_jax.translate.kinds import Kind, register
+from mot_jax.translate.kinds.registry import Kind, register
 
 
 class NoMixture(nnx.Module):
@@ -37,5 +37,6 @@ register(
         build=build,
         check=check,
         recipe={"translator.linear_skip": True},
+        torch={"key": "NoMixture", "value": "NoMixture"},
     )
 )

@@ -33,18 +33,15 @@ translators (`translator.py`).
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 import jax.numpy as jnp
 from flax import nnx
 
 from mot_jax.errors import MotJaxError
 from mot_jax.models.layers import LayerNorm, Linear
+from mot_jax.translate.config import TranslatorConfig
 from mot_jax.translate.expert import EPS, CrossAttentionBlocks, chain, gelu, output_head, torch_std
-from mot_jax.translate.kinds import Kind, register
-
-if TYPE_CHECKING:  # the config asks the kinds registry, which imports this module
-    from mot_jax.translate.config import TranslatorConfig
+from mot_jax.translate.kinds.registry import Kind, refuse, register
 
 
 class LocalToShared(nnx.Module):
@@ -123,9 +120,7 @@ def check_spec(spec, cfg: TranslatorConfig):
             "reads every source layer; build its spec with kind='lsc'",
         ),
     )
-    for refused, why in refusals:
-        if refused:
-            raise MotJaxError(f"kind='lsc' {why}.")
+    refuse("lsc", refusals)
 
 
 def every_layer(num_source: int, num_target: int):
@@ -147,6 +142,7 @@ register(
         window=every_layer,
         fields=dict(shared_slots=32, shared_dim=128),  # the latent per token (reference: 32 slots x 128)
         counts=dict(shared_slots=1, shared_dim=1),
+        torch={"key": "LatentTranslator", "value": "LatentTranslator"},
         # the reference's sizes; its loss is the suffix CE alone
         recipe={
             "translator.mode": "direct",

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from mot_jax.translate.kinds import Kind, register
+from mot_jax.translate.kinds.registry import Kind, register
 from mot_jax.translate.mixture import MixtureOfTranslators
 
 register(

@@ -27,12 +27,11 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from mot_jax.errors import MotJaxError
 from mot_jax.models.base import first_valid_index
 from mot_jax.models.hooks import Forward, LayerInputs
 from mot_jax.translate import align as alignment_lib
 from mot_jax.translate.hooks import ReplaceLayerInputs
-from mot_jax.translate.kinds import Kind, register
+from mot_jax.translate.kinds.registry import LAYER_INPUTS, Kind, Outputs, refuse, register
 from mot_jax.translate.mixture import MixtureOfTranslators
 from mot_jax.translate.window import window_block
 
@@ -45,15 +44,9 @@ def check_spec(spec, cfg):
         (spec.sparse_attention, "runs an ordinary dense target forward, as the reference; set sparse_attention=False"),
         (tuple(spec.inputs) != ("source",), "reads the source's layer inputs alone; set inputs='source'"),
         (spec.rotary, "translates residual streams, which hold no rotated keys; set rotary=False"),
-        (
-            spec.outputs != "residual",
-            "writes residual streams; build its spec with kind='mot_h'",
-        ),
         (cfg.linear_skip, "has no linear skip; set linear_skip=False"),
     )
-    for refused, why in refusals:
-        if refused:
-            raise MotJaxError(f"kind='mot_h' {why}.")
+    refuse("mot_h", refusals)
 
 
 def replace_inputs(translator, source, target, source_cache, alignment, target_ids, mask, capacity, receiver, noise):
@@ -84,7 +77,16 @@ register(
         build=lambda spec, cfg, rngs, dtype: {"hidden": MixtureOfTranslators(cfg, rngs=rngs, dtype=dtype)},
         translate=replace_inputs,
         check=check_spec,
-        outputs="residual",
+        # the window layers' input residual streams, from the source's
+        outputs=Outputs(
+            "residual",
+            "the window layers' input residual streams",
+            lambda model: model.config.hidden_size,
+            reads=LAYER_INPUTS,
+            kv=False,
+        ),
+        torch={"hidden": "Mixture"},
+        torch_call="translate_streams",
         recipe={"translator.mode": "replay", "translator.sparse_attention": False},  # the reference's dense forward
     )
 )

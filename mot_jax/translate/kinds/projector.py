@@ -9,18 +9,14 @@ so training, both injection modes, checkpoints and export treat it like a mixtur
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import jax.numpy as jnp
 from flax import nnx
 
 from mot_jax.errors import MotJaxError
 from mot_jax.models.layers import LayerNorm, Linear, einsum
+from mot_jax.translate.config import TranslatorConfig
 from mot_jax.translate.expert import EPS, gelu, torch_std
-from mot_jax.translate.kinds import Kind, register
-
-if TYPE_CHECKING:  # the config asks the kinds registry, which imports this module
-    from mot_jax.translate.config import TranslatorConfig
+from mot_jax.translate.kinds.registry import Kind, register
 
 
 def projector_hidden(cfg: TranslatorConfig) -> int:
@@ -58,5 +54,6 @@ register(
         build=lambda spec, cfg, rngs, dtype: {
             part: Projector(cfg, rngs=rngs, dtype=dtype) for part in ("key", "value")
         },
+        torch={"key": "Projector", "value": "Projector"},
     )
 )
