@@ -59,11 +59,11 @@ def bench_features(plan: Plan):
         ("frozen forwards live", f"{live:.3g}", f"{1 / live:.3g}", f"{compile_s['live']:.0f}", "1.00x"),
         ("feature cache", f"{cached:.3g}", f"{1 / cached:.3g}", f"{compile_s['cached']:.0f}", f"{live / cached:.2f}x"),
     ]
-    t = config.translator
+    settings = config.translator
     intro = (
         f"`configs/{EXPERIMENT}:{plan.config_arg}direct` ({config.source} -> {config.target}, {config.dtype}) with "
-        f"`translator.kind={t.kind}`, `native_bottom={t.native_bottom}`, `inputs={t.inputs}` and the K/V MSE alone "
-        f"(`loss.ce_weight=0`): one optimizer step on {config.batch_size} x {accum} sequences of "
+        f"`translator.kind={settings.kind}`, `native_bottom={settings.native_bottom}`, `inputs={settings.inputs}` "
+        f"and the K/V MSE alone (`loss.ce_weight=0`): one optimizer step on {config.batch_size} x {accum} sequences of "
         f"{config.data.total_tokens} target tokens, with the frozen forwards (the source prefill, the target's native "
         "prefill, its bottom layers and embeddings) run in the step, and with their outputs read from the feature "
         f"cache (`data.feature_cache=True`) of the same {table.count} chunks; the same trainer, batches and shapes, "

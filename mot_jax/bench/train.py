@@ -121,10 +121,10 @@ def bench_train(plan: Plan) -> Section:
             )
         )
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
-    t = config.translator
+    mixture = f"a mixture of {config.translator.num_experts} experts, k = {config.translator.top_k}"
     intro = (
         f"`configs/{EXPERIMENT}:{plan.config_arg}replay` and `:{plan.config_arg}direct` ({config.source} -> "
-        f"{config.target}, {config.dtype}; a mixture of {t.num_experts} experts, k = {t.top_k}), one optimizer step on "
+        f"{config.target}, {config.dtype}; {mixture}), one optimizer step on "
         f"{config.batch_size} x {accum} sequences of {config.data.total_tokens} target tokens: both frozen forwards "
         "(source prefill, with attention top-k for replay, and the native target prefill), translation, replay, the "
         "prompt CE through the target's head, the backward pass into the translator and AdamW. Step memory is XLA's "

@@ -244,8 +244,8 @@ class Translated(Method):
 
     def translation_args(self, models, contexts, read: SourceRead) -> tuple:
         """`translate_jit`'s arguments for the contexts (shared by the timed run and the memory plan)."""
-        t = self.translator
-        return t, models.source, models.target, read.cache, read.alignment, contexts.ids, contexts.mask, read.topk
+        source, target = models.source, models.target
+        return self.translator, source, target, read.cache, read.alignment, contexts.ids, contexts.mask, read.topk
 
     def handed(self, models, source_mask) -> np.ndarray:
         spec = self.translator.spec
@@ -384,11 +384,11 @@ def bands(num_layers: int, spans: list[tuple[int, int]] | None = None, count: in
 
 def method_name(config) -> str:
     """How a trained method is named in reports, from its training config (`Kind.label`)."""
-    t = config.translator
-    name = kinds.get(t.get("kind", "mot")).name_of(t)
-    if "source" not in t.get("inputs", "source").split(","):
+    settings = config.translator
+    name = kinds.get(settings.get("kind", "mot")).name_of(settings)
+    if "source" not in settings.get("inputs", "source").split(","):
         name = f"source-free {name}"
-    return f"{name}, B={t.native_bottom}" if t.get("native_bottom", 0) else name
+    return f"{name}, B={settings.native_bottom}" if settings.get("native_bottom", 0) else name
 
 
 def wants_donors(methods) -> bool:

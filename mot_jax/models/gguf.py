@@ -21,7 +21,7 @@ import numpy as np
 
 from mot_jax.errors import MotJaxError
 from mot_jax.files import atomic_folder, follow_umask, remove_leftovers, sha256_of
-from mot_jax.models import registry
+from mot_jax.models import registry, tokenizers
 from mot_jax.models.embedded import EMBEDDED, embedded_gguf_path
 from mot_jax.paths import cache_lock, cache_root
 from mot_jax.progress import Progress
@@ -286,17 +286,11 @@ def resolve_gguf(name_or_path: str) -> Path | None:
     return None
 
 
-def load_tokenizer(name_or_dir):
-    """A `tokenizers.Tokenizer` of an embedded model name, a GGUF file or a cache directory."""
-    from tokenizers import Tokenizer
-
-    source = str(name_or_dir)
+def load_tokenizer(name_or_file):
+    """A `tokenizers.Tokenizer` of an embedded model name or a GGUF file (from its conversion's folder)."""
+    source = str(name_or_file)
     path = embedded_gguf_path(source) if source in EMBEDDED else Path(source).expanduser()
-    if path.is_file():
-        _, _, path = convert(path, source if source in EMBEDDED else None, load=False)
-    elif not path.is_dir():
-        raise MotJaxError(f"{source!r} is not an embedded model ({', '.join(EMBEDDED)}), a GGUF file or a directory.")
-    file = path / "tokenizer.json"
-    if not file.is_file():
-        raise MotJaxError(f"{path} has no tokenizer.json; its GGUF file carries no tokenizer, pass one that does.")
-    return Tokenizer.from_file(str(file))
+    if not path.is_file():
+        raise MotJaxError(f"{source!r} is not an embedded model ({', '.join(EMBEDDED)}) or a GGUF file.")
+    _, _, folder = convert(path, source if source in EMBEDDED else None, load=False)
+    return tokenizers.from_folder(folder, " (its GGUF file carries no tokenizer)")

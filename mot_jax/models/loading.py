@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 from mot_jax.errors import MotJaxError
-from mot_jax.models import gguf, registry, tiny
+from mot_jax.models import gguf, registry, tiny, tokenizers
 
 
 def resolve_model_dir(name_or_path: str) -> Path:
@@ -55,7 +55,7 @@ def load_tokenizer(name_or_path: str):
         return gguf.load_tokenizer(name_or_path)
     model_dir = resolve_model_dir(name_or_path)
     if (model_dir / "tokenizer.json").is_file():
-        return gguf.load_tokenizer(model_dir)
+        return tokenizers.from_folder(model_dir)
     try:
         import transformers
 

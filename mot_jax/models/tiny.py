@@ -94,9 +94,9 @@ def hf_config(name: str) -> dict:
 
 def load_tokenizer(name: str):
     if folder := _shapes_dir(name):
-        from mot_jax.models import gguf
+        from mot_jax.models import tokenizers
 
-        return gguf.load_tokenizer(folder)
+        return tokenizers.from_folder(folder)
     return tokenizer(hf_config(name)["vocab_size"])
 
 

@@ -153,8 +153,8 @@ def train_in(workdir, config, mesh, pair: ModelPair, datasets: Datasets, checkpo
         best_step = checkpoints.best.latest_step()
     else:
         if tcfg.linear_skip:
-            t = config.translator
-            start_linear_skip(trainer, datasets.train, t.skip_fit_batches, t.skip_ridge_held_out)
+            settings = config.translator
+            start_linear_skip(trainer, datasets.train, settings.skip_fit_batches, settings.skip_ridge_held_out)
         initial = trainer.evaluate(validation, progress="Validation loss, untrained") | dict(
             held_out_ce=trainer.evaluate(held_out, progress="Held-out CE, untrained")["ce"],
             held_out_retrieval_ce=trainer.evaluate(retrieval, progress="Held-out retrieval CE, untrained")["ce"],

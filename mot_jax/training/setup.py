@@ -90,25 +90,25 @@ def make_mesh(config) -> jax.sharding.Mesh:
 
 def translation(config, channel_map, pair: ModelPair, **overrides) -> tuple[TranslationSpec, TranslatorConfig]:
     """The config's translator for this pair and channel map; `overrides` replace TranslatorConfig fields."""
-    t = config.translator
+    settings = config.translator
     num_target_layers = pair.target.config.num_layers
-    window.check_native_bottom(t.native_bottom, num_target_layers, t.mode, translates=True)
+    window.check_native_bottom(settings.native_bottom, num_target_layers, settings.mode, translates=True)
     spec = TranslationSpec.build(
-        t.mode,
+        settings.mode,
         channel_map,
         pair.source.config.num_layers,
         num_target_layers,
-        native_bottom=t.native_bottom,
-        inputs=tuple(i.strip() for i in t.inputs.split(",") if i.strip()),
-        outputs=t.outputs,
-        kind=overrides.get("kind", t.kind),
-        sparse_attention=t.sparse_attention,
-        k_attn=t.k_attn,
-        dense_bottom=t.dense_bottom,
-        rotary=t.rotary,
+        native_bottom=settings.native_bottom,
+        inputs=tuple(i.strip() for i in settings.inputs.split(",") if i.strip()),
+        outputs=settings.outputs,
+        kind=overrides.get("kind", settings.kind),
+        sparse_attention=settings.sparse_attention,
+        k_attn=settings.k_attn,
+        dense_bottom=settings.dense_bottom,
+        rotary=settings.rotary,
     )
-    keys = [*TRANSLATOR_KEYS, *kinds.get(overrides.get("kind", t.kind)).fields]
-    kwargs = {k: t[k] for k in keys if k in t} | overrides
+    keys = [*TRANSLATOR_KEYS, *kinds.get(overrides.get("kind", settings.kind)).fields]
+    kwargs = {k: settings[k] for k in keys if k in settings} | overrides
     return spec, mixture_config(spec, pair.source, pair.target, **kwargs)
 
 

@@ -138,14 +138,14 @@ def window_inputs(spec, source: CausalLM, target: CausalLM, source_cache, alignm
 
 def translate_window(translator, source: CausalLM, target: CausalLM, source_cache, alignment, mask, features=None):
     """The translated window K/V, each [W, B, Kt, T, dt], and the mixtures' aux outputs {"key": .., "value": ..}."""
-    spec, t = translator.spec, target.config
+    spec, target_cfg = translator.spec, target.config
     k, v, shared = window_parts(spec, source, target, source_cache, alignment, features)
     k, v, aux = translator(k, v, mask, shared)
     pos = positions_from_mask(mask)
     if spec.kv_from_hidden:  # layer inputs: the target's own projections, k-norm and RoPE make the K/V
         k, v = target.window_key_values(spec.target_layers, k, v, pos)  # [B, T, W, Kt, dt]
         return to_cache(k, target), to_cache(v, target), aux
-    heads = lambda y: y.reshape(*y.shape[:3], t.num_kv_heads, t.head_dim)
+    heads = lambda y: y.reshape(*y.shape[:3], target_cfg.num_kv_heads, target_cfg.head_dim)
     k, v = heads(k), heads(v)  # [B, T, W, Kt, dt]
     _, target_freq = rotary_tables(spec, source, target)
     if target_freq is not None:

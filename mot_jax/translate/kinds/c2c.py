@@ -164,7 +164,7 @@ def fuse(translator, own_k, own_v, k, v, mask, noise=None):
 def fuse_receiver(translator, source, target, source_cache, alignment, target_ids, mask, capacity, receiver, noise):
     """kind='c2c': the target's own prefill of its context (`receiver`, or run here) with its window layers' K/V
     fused with the source's (`fuse`), in a cache of `capacity` slots; and the aux outputs."""
-    spec, t = translator.spec, target.config
+    spec, target_cfg = translator.spec, target.config
     batch, length = target_ids.shape
     if receiver is None:
         receiver = target.run_layers(Forward(target_ids, mask, fresh=True), target.init_cache(batch, capacity)).cache
@@ -178,7 +178,7 @@ def fuse_receiver(translator, source, target, source_cache, alignment, target_id
         mask,
         noise,
     )
-    heads = lambda y: to_cache(y.reshape(*y.shape[:3], t.num_kv_heads, t.head_dim), target)
+    heads = lambda y: to_cache(y.reshape(*y.shape[:3], target_cfg.num_kv_heads, target_cfg.head_dim), target)
     layers = jnp.asarray(spec.target_layers)
     return cache.replace(
         k=cache.k.at[layers, :, :, :length].set(heads(k)), v=cache.v.at[layers, :, :, :length].set(heads(v))
@@ -200,7 +200,7 @@ def top_layers(num_source: int, num_target: int):
 register(
     Kind(
         name="c2c",
-        label=lambda t: "C2C",  # its target reads the context itself: its TTFT (translation) holds that prefill
+        label=lambda cfg: "C2C",  # its target reads the context itself: its TTFT (translation) holds that prefill
         build=lambda spec, cfg, rngs, dtype: {
             part: ResidualCacheFuser(cfg, rngs=rngs, dtype=dtype) for part in ("key", "value")
         },

@@ -205,7 +205,7 @@ def extra_loss(*, translated, target, batch, source_cache, noise, logits, teache
 register(
     Kind(
         name="interlat",
-        label=lambda t: "Interlat",  # its TTFT (translation) holds the target's forward over the latents
+        label=lambda cfg: "Interlat",  # its TTFT (translation) holds the target's forward over the latents
         build=lambda spec, cfg, rngs, dtype: {"adapter": Adapter(cfg, rngs=rngs, dtype=dtype)},
         translate=embed_latents,
         check=check_spec,

@@ -69,7 +69,7 @@ def check(spec, cfg):
 register(
     Kind(
         name="kv_prediction",
-        label=lambda t: f"KV Prediction ({t.mode})",
+        label=lambda cfg: f"KV Prediction ({cfg.mode})",
         build=linear_build,  # the linear kind's modules: the least-squares-started maps are the translation
         check=check,
         # the reference: the base model never reads the context; linear maps from the aux K/V (keys before RoPE),

@@ -33,7 +33,7 @@ def build(spec, cfg, rngs, dtype):
 register(
     Kind(
         name="linear",
-        label=lambda t: f"linear translator ({t.mode})",
+        label=lambda cfg: f"linear translator ({cfg.mode})",
         build=build,
         check=check,
         recipe={"translator.linear_skip": True},

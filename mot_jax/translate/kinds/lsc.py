@@ -136,7 +136,7 @@ def build(spec, cfg: TranslatorConfig, rngs, dtype):
 register(
     Kind(
         name="lsc",
-        label=lambda t: "LSC",  # always direct: every target layer from the shared latent
+        label=lambda cfg: "LSC",  # always direct: every target layer from the shared latent
         build=build,
         check=check_spec,
         window=every_layer,

@@ -9,7 +9,7 @@ from mot_jax.translate.mixture import MixtureOfTranslators
 register(
     Kind(
         name="mot",
-        label=lambda t: f"single translator ({t.mode})" if t.num_experts == 1 else f"MoT {t.mode}",
+        label=lambda cfg: f"single translator ({cfg.mode})" if cfg.num_experts == 1 else f"MoT {cfg.mode}",
         build=lambda spec, cfg, rngs, dtype: {
             part: MixtureOfTranslators(cfg, rngs=rngs, dtype=dtype) for part in ("key", "value")
         },

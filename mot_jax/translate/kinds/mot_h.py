@@ -73,7 +73,7 @@ register(
     Kind(
         name="mot_h",
         # its target reads the context itself: its TTFT (translation) holds that forward
-        label=lambda t: "MoT-h" if t.num_experts > 1 else "single translator (MoT-h)",
+        label=lambda cfg: "MoT-h" if cfg.num_experts > 1 else "single translator (MoT-h)",
         build=lambda spec, cfg, rngs, dtype: {"hidden": MixtureOfTranslators(cfg, rngs=rngs, dtype=dtype)},
         translate=replace_inputs,
         check=check_spec,

@@ -50,7 +50,7 @@ class Projector(nnx.Module):
 register(
     Kind(
         name="projector",
-        label=lambda t: f"C2C-Project ({t.mode})",
+        label=lambda cfg: f"C2C-Project ({cfg.mode})",
         build=lambda spec, cfg, rngs, dtype: {
             part: Projector(cfg, rngs=rngs, dtype=dtype) for part in ("key", "value")
         },
