@@ -115,6 +115,10 @@ def check_counts(config) -> None:
         value = config[key]
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise MotJaxError(f"{key}={value!r}; pass a positive whole number (--config.{key}=N).")
+    for key, kind in (("humaneval_max_new_tokens", "whole number"), ("humaneval_timeout", "number of seconds")):
+        value = config[key]
+        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+            raise MotJaxError(f"{key}={value!r}; pass a positive {kind} (--config.{key}=N).")
 
 
 def baseline_methods(config, pair=("source", "target")) -> list:
@@ -295,6 +299,14 @@ def evaluate(workdir, config: ml_collections.ConfigDict, compare=(), out=None) -
                 scores = evaluate_examples(models, methods, items, run, watch, partial.recorder(task, str(budget)))
                 by_budget[str(budget)] = add_paired_controls(add_retention(scores, "f1"))
                 partial.results(results)
+        elif task == "humaneval":  # code completion: plain prompts (no chat turns), longer answers
+            items = examples(task)
+            run = dataclasses.replace(
+                settings, max_new_tokens=config.humaneval_max_new_tokens, check_timeout=config.humaneval_timeout
+            )
+            scores = evaluate_examples(models, methods, items, run, watch, partial.recorder(task))
+            add_paired_controls(scores)
+            results["tasks"][task] = dict(examples=len(items), methods=add_retention(scores, "pass_at_1"))
         else:
             items = examples(task)
             scores = evaluate_examples(models, methods, items, settings, watch, partial.recorder(task))
