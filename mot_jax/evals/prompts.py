@@ -40,6 +40,9 @@ BUCKET, SUFFIX_BUCKET = 16, 8  # padded lengths: jitted code compiles once per b
 
 
 def instruction(example: dict, closed: bool) -> str:
+    """The task's instruction ("" for code completion: the prompt is the code)."""
+    if is_code(example):
+        return ""
     extra = example.get("instruction")
     return INSTRUCTIONS["closed" if closed else "extractive"] + (f" {extra}" if extra else "")
 
@@ -61,7 +64,10 @@ def target_chat(setting: str, target_name: str, tokenizer) -> tuple[str, str] | 
 
 def prefix_text(example: dict, closed: bool, passage: str | None = None, chat=None) -> str:
     """What a method hands over: the instruction and the passage (`passage` replaces the context: a summary), in
-    the user turn's opening of the `chat` format (`target_chat`) when one is given."""
+    the user turn's opening of the `chat` format (`target_chat`) when one is given. Code completion (HumanEval):
+    the code itself (or `passage`), in no chat turns."""
+    if is_code(example):
+        return example["context"] if passage is None else passage
     text = f"{instruction(example, closed)}\nPassage: {example['context'] if passage is None else passage}"
     return (chat[0] if chat else "") + text
 
@@ -69,7 +75,10 @@ def prefix_text(example: dict, closed: bool, passage: str | None = None, chat=No
 def suffix_text(example: dict, question: str | None = None, options: bool = True, chat=None) -> str:
     """What the target reads after the handed-over prefix; closed-set questions list their options for a generated
     answer, not when each option's likelihood is scored (small models then mostly copy the first listed one). With
-    a `chat` format the user turn closes and the assistant's opens instead of "Answer:"."""
+    a `chat` format the user turn closes and the assistant's opens instead of "Answer:". Code completion: the
+    prompt's last line (`humaneval.example`'s cue)."""
+    if is_code(example):
+        return example["cue"]
     text = f"\nQuestion: {question or example['question']}"
     if "choices" in example and options:
         text += f"\nOptions: {' / '.join(example['choices'])}"
@@ -217,10 +226,16 @@ class Settings:
     max_new_tokens: int = 32
     budget: int | None = None  # at most this many target tokens of prefix (None: what the model's limit leaves)
     chat: tuple | None = None  # the target's chat turns around the prompts (`target_chat`), None for plain prompts
+    check_timeout: float = 5.0  # code completion: seconds a problem's tests may run (`humaneval.score`)
 
 
 def is_closed(examples) -> bool:
     return "choices" in examples[0]
+
+
+def is_code(example: dict) -> bool:
+    """A code-completion example (`mot_jax.evals.humaneval`)."""
+    return "entry_point" in example
 
 
 def prefix_budgets(models, prefixes, suffixes, settings: Settings) -> list[int]:
@@ -268,9 +283,9 @@ def batches(models, examples, settings: Settings, questions=None, donors: bool =
     donor = np.asarray(donor_indices(examples)) if donors else None
     closed = is_closed(examples)
     prefixes, suffixes, _ = fitted(models, examples, settings, questions)
-    # the passage a truncated prefix still holds: its text minus the instruction header
+    # the passage a truncated prefix still holds: its text minus the instruction header (code: all of it)
     texts = alignment_lib.adapter(models.target_tokenizer).backend.decode_batch(prefixes, skip_special_tokens=True)
-    passages = [t.split("\nPassage: ", 1)[1] if "\nPassage: " in t else "" for t in texts]
+    passages = [held_passage(e, t) for e, t in zip(examples, texts)]
     for start in range(0, len(examples), settings.batch_size):
         rows = list(range(start, min(start + settings.batch_size, len(examples))))
         # with donors: the batch's rows, then those of its donors not among them (mostly one: the next batch's first)
@@ -289,6 +304,13 @@ def batches(models, examples, settings: Settings, questions=None, donors: bool =
                 contexts.some([at[j] for j in donor[rows].tolist()]),
             )
         yield contexts, *padded([suffixes[j] for j in rows], SUFFIX_BUCKET)
+
+
+def held_passage(example: dict, prefix: str) -> str:
+    """The passage a prefix's text holds (all of it for code; after the header, or nothing where a budget cut it)."""
+    if is_code(example):
+        return prefix
+    return prefix.split("\nPassage: ", 1)[1] if "\nPassage: " in prefix else ""
 
 
 def capacity_for(contexts: Contexts, suffix_ids, extra: int) -> int:

@@ -29,7 +29,9 @@ def _value(scores: dict, key: str) -> str:
     return "-" if scores.get(key) is None else f"{scores[key]:.3f}"
 
 
-PAIRED_COLUMNS = dict(f1="F1", exact_match="EM", f1_native_correct="native-correct F1", logprob="gold log-prob")
+PAIRED_COLUMNS = dict(
+    f1="F1", exact_match="EM", f1_native_correct="native-correct F1", logprob="gold log-prob", pass_at_1="pass@1"
+)
 
 
 def _paired(stat: dict | None) -> str:
@@ -42,14 +44,13 @@ def _paired(stat: dict | None) -> str:
 def paired_table(methods: dict) -> str:
     """Each translated method against each of its controls: the mean paired difference (method minus control, over
     the same examples) +- its standard error per metric, and whether it exceeds 2 s.e. ("" when none was paired)."""
-    rows = [
-        [name, control, *(_paired(stats.get(metric)) for metric in PAIRED_COLUMNS)]
-        for name, m in methods.items()
-        for control, stats in m.get("paired", {}).items()
-    ]
-    if not rows:
+    pairs = [(name, control, stats) for name, m in methods.items() for control, stats in m.get("paired", {}).items()]
+    if not pairs:
         return ""
-    table = outputs.markdown_table(["method", "minus", *PAIRED_COLUMNS.values()], rows, left=2)
+    code = any("pass_at_1" in stats for _, _, stats in pairs)  # paired on pass@1 and log-prob, not on answers'
+    metrics = ["pass_at_1", "logprob"] if code else [m for m in PAIRED_COLUMNS if m != "pass_at_1"]
+    rows = [[name, control, *(_paired(stats.get(metric)) for metric in metrics)] for name, control, stats in pairs]
+    table = outputs.markdown_table(["method", "minus", *(PAIRED_COLUMNS[m] for m in metrics)], rows, left=2)
     return (
         "\nPaired differences, method minus control over the same examples, +- their standard error: above / below "
         "where the difference exceeds 2 s.e., level where it does not.\n\n" + table
@@ -104,7 +105,28 @@ def task_table(task: str, entry: dict) -> str:
             for name, m in methods.items()
         ]
         return outputs.markdown_table(header, rows)
+    if "pass_at_1" in next(iter(methods.values())):
+        return code_table(methods)
     return open_table(methods)
+
+
+def code_table(methods: dict) -> str:
+    """Code completion: pass@1 (the share of problems whose tests pass on the greedy completion) and the canonical
+    solution's log-probability."""
+    header = ["method", "pass@1", "pass@1 s.e.", "gold log-prob", "log-prob s.e.", "retention", "examples/s"]
+    rows = [
+        [
+            name,
+            f"{m['pass_at_1']:.3f}",
+            _value(m, "pass_at_1_se"),
+            _value(m, "logprob"),
+            _value(m, "logprob_se"),
+            _pct(m["retention"]),
+            f"{m['examples_per_s']:.2f}",
+        ]
+        for name, m in methods.items()
+    ]
+    return outputs.markdown_table(header, rows)
 
 
 def open_table(methods: dict) -> str:
@@ -225,6 +247,15 @@ def markdown(results: dict) -> str:
         else:
             if entry.get("cut"):
                 lines += [cut_note(entry["cut"]), ""]
+            if task == "humaneval":
+                config = meta["config"]
+                lines += [
+                    f"Greedy completions of up to {config['humaneval_max_new_tokens']} tokens after the prompt (plain, "
+                    "no chat turns), cut at the standard stop sequences; pass@1: the share of problems whose own "
+                    f"tests pass on prompt + completion, run in a child process limited to "
+                    f"{config['humaneval_timeout']:g} s. Gold log-prob: the canonical solution's.",
+                    "",
+                ]
             lines += [task_table(task, entry), paired_table(entry["methods"])]
     if results.get("latency"):
         lines += ["", "## Time to first token (batch 1)", ""]

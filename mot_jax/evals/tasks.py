@@ -8,7 +8,7 @@ import itertools
 
 import numpy as np
 
-from mot_jax.evals import metrics
+from mot_jax.evals import humaneval, metrics
 from mot_jax.evals.kvcomm import KVComm
 from mot_jax.evals.latency import timed
 from mot_jax.evals.methods import (
@@ -32,6 +32,7 @@ from mot_jax.evals.prompts import (
     choice_logprob,
     decode_answers,
     is_closed,
+    is_code,
     line_flags,
     padded,
     suffix_text,
@@ -106,9 +107,10 @@ def answer_batches(models, methods, examples, settings: Settings, rows: dict, re
     log-probability per token (`logprob`). Each batch's caches, one per method, read the question and decode as one
     batch (`stack_rows`): decoding a step costs about the same for many rows as for few, and each method is timed for
     its own cache and a share of that answer stage."""
-    closed = is_closed(examples)
+    closed, code = is_closed(examples), is_code(examples[0])
     eos = tuple(models.target.config.eos_ids)
-    lines = line_flags(models.target_tokenizer, models.target.config.vocab_size)
+    # answers end at their first line's end; code runs on to its end token or max_new_tokens, cut afterwards
+    lines = None if code else line_flags(models.target_tokenizer, models.target.config.vocab_size)
     rows |= {m.name: dict(predictions=[], timed=[], handed=[]) for m in methods}
     for contexts, suffix_ids, suffix_mask in batches(models, examples, settings, donors=wants_donors(methods)):
         tokenizer = models.target_tokenizer
@@ -161,7 +163,10 @@ def answer_batches(models, methods, examples, settings: Settings, rows: dict, re
                     prediction["likelihood_choice"] = example["choices"][int(np.argmax(scores[b]))]
                 else:
                     prediction["logprob"] = float(logprobs[mine][b])
-                    score(prediction, example)  # here too: the partial results carry it
+                    if code:  # the completion and its check, once
+                        humaneval.score(prediction, example, settings.check_timeout)
+                    else:
+                        score(prediction, example)  # here too: the partial results carry it
                 batch.append(prediction)
             row["predictions"] += batch
             if record:
@@ -176,8 +181,8 @@ def tiled(copies: int, *arrays) -> list:
 
 def gold_tokens(tokenizer, examples, chat=None) -> tuple:
     """(ids, mask) [B, La] of each example's first gold answer as the target reads it after the suffix: after
-    "Answer:" with a space, at the opening of the assistant's turn without one."""
-    texts = [("" if chat else " ") + e["answers"][0] for e in examples]
+    "Answer:" with a space, at the opening of the assistant's turn without one (code: right after the prompt)."""
+    texts = [("" if chat or is_code(e) else " ") + e["answers"][0] for e in examples]
     return padded(token_ids(tokenizer, texts, False), 8)
 
 
@@ -209,10 +214,12 @@ def summarize(row, examples, closed: bool) -> dict:
     else:
         out = {}
         for prediction, example in zip(predictions, examples):
-            score(prediction, example)
-        for metric in OPEN_METRICS:
+            if not is_code(example):  # code was scored as it was answered (its check runs the program)
+                score(prediction, example)
+        for metric in OPEN_METRICS:  # those the predictions carry (code: pass@1 and log-prob; else the others)
             values = [p[metric] for p in predictions if metric in p]
-            out[metric], out[f"{metric}_se"] = float(np.mean(values)) if values else None, standard_error(values)
+            if values:
+                out[metric], out[f"{metric}_se"] = float(np.mean(values)), standard_error(values)
     steady = row["timed"][1:] or row["timed"]  # the first batch compiles
     out["examples_per_s"] = sum(n for n, _ in steady) / max(sum(s for _, s in steady), 1e-9)
     out["handed_bytes"] = float(np.mean(row["handed"]))
@@ -220,7 +227,8 @@ def summarize(row, examples, closed: bool) -> dict:
     return out
 
 
-OPEN_METRICS = ("f1", "exact_match", "logprob")  # per open-answer prediction; logprob: the gold answer's, per token
+# per open-answer prediction; logprob: the gold answer's, per token; pass_at_1: a code completion's tests passed
+OPEN_METRICS = ("f1", "exact_match", "logprob", "pass_at_1")
 NATIVE_CORRECT = "f1_native_correct"  # F1 over the examples native answers exactly and no context does not
 TWO_SE = 2  # a paired difference "exceeds" its noise beyond this many standard errors
 
@@ -248,14 +256,15 @@ def controls_of(name: str, results: dict) -> list[str]:
 
 def add_paired_controls(results: dict) -> dict:
     """Each translated method's paired differences against its controls (`controls_of`), per metric the
-    predictions carry (F1, exact match, gold log-probability; F1 alone for multi-agent), under
+    predictions carry (F1, exact match, gold log-probability; F1 alone for multi-agent; pass@1 and gold
+    log-probability for code), under
     scores["paired"][control][metric] (`paired`). Also every row's F1 on the native-correct subset (the
     examples native answers exactly and no context does not: where the context is needed and used), where both
     rows ran, with its paired differences. The source alone's log-probability counts the source's tokens, so it
     is not paired on that."""
     rows = {name: scores["predictions"] for name, scores in results.items()}
     subset = None
-    if "native" in rows and "no_context" in rows:
+    if "native" in rows and "no_context" in rows and "exact_match" in rows["native"][0]:
         pairs = zip(rows["native"], rows["no_context"], strict=True)
         subset = [i for i, (n, z) in enumerate(pairs) if n.get("exact_match") and not z.get("exact_match")]
         for scores in results.values():
