@@ -4,9 +4,9 @@ It sets up the pair, data, mesh and translator (`setup`), picks the channel map 
 jitted steps of a `trainer.Trainer` and reports (`report`). The run resumes from the workdir's latest checkpoint, holds
 a lock on the workdir for its whole life, stops on a non-finite loss or state, a failed save, Ctrl-C or SIGTERM in one
 line (keeping the last good checkpoint: a checkpoint is only saved once a forward on it gave a finite loss; Ctrl-C and
-SIGTERM stop after the step in flight and first checkpoint the steps done since the last one), and ends with a short held-out comparison of the translated
-cache against no context, the native context and the translation from a shuffled source, on plain held-out chunks and on
-the same chunks made retrieval rows.
+SIGTERM stop after the step in flight and first checkpoint the steps done since the last one), and ends with a short
+held-out comparison of the translated cache against no context, the native context and the translation from a
+shuffled source, on plain held-out chunks and on the same chunks made retrieval rows.
 """
 
 from __future__ import annotations
