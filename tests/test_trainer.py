@@ -28,6 +28,7 @@ def test_loss_goes_down_on_tiny_models(mode):
     assert after["mse_k"] + after["mse_v"] < 0.8 * (before["mse_k"] + before["mse_v"]), (before, after)
 
 
+@pytest.mark.devices(8)
 def test_sharded_step_equals_single_device_step():
     """data 4 x expert 2 over 8 CPU devices against one device: same parameters after two steps."""
     results = []
@@ -53,6 +54,7 @@ def test_sharded_step_equals_single_device_step():
         np.testing.assert_allclose(a["loss"], b["loss"], rtol=1e-5)
 
 
+@pytest.mark.devices(8)
 def test_linear_skip_fit_is_the_same_on_a_sharded_mesh():
     """The least-squares start sums its statistics over the global batch: data 4 x expert 2 gives the one-device fit,
     and the fit lowers the K and V errors it reports."""
