@@ -39,6 +39,7 @@ class Plan:
     quick: bool = False
     train_pair: tuple = ()  # train: (source, target) model names instead of the EXPERIMENT's own
     train_dtype: str = ""  # train: the LLMs' dtype instead of the EXPERIMENT's ("")
+    train_step: tuple = ()  # train: (batch_size, grad_accum, total_tokens) instead of the EXPERIMENT's
     eval_examples: int = 32  # eval: examples of the evaluation's answer loop, in batches of eval_batch
     eval_batch: int = 16
     matmul_size: int = 2048  # models, eval: the square matmul that measures the machine's rate

@@ -71,6 +71,7 @@ def bench_train(plan: Plan) -> Section:
 
     from mot_jax.training import setup
     from mot_jax.training.channel_search import resolve_channels
+    from mot_jax.training.config import resize_step
     from mot_jax.training.trainer import Trainer, stack
 
     def experiment(mode):
@@ -78,6 +79,8 @@ def bench_train(plan: Plan) -> Section:
         if plan.train_pair:
             c.source, c.target = plan.train_pair
         c.dtype = plan.train_dtype or c.dtype
+        if plan.train_step:
+            resize_step(c, *plan.train_step)
         return c
 
     config = experiment("replay")
