@@ -31,8 +31,12 @@ def xla_libraries() -> list:
     """The installed jaxlib's XLA libraries (its large shared objects), mapped read-only."""
     import jaxlib  # not jax: its backend must start after XLA_FLAGS is set
 
-    paths = glob.glob(os.path.join(os.path.dirname(jaxlib.__file__), "**", "*.so"), recursive=True)
-    return [mmap.mmap(os.open(p, os.O_RDONLY), 0, prot=mmap.PROT_READ) for p in paths if os.path.getsize(p) > 50 << 20]
+    libraries = []
+    for path in glob.glob(os.path.join(os.path.dirname(jaxlib.__file__), "**", "*.so"), recursive=True):
+        if os.path.getsize(path) > 50 << 20:
+            with open(path, "rb") as f:
+                libraries.append(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+    return libraries
 
 
 def xla_knows(flag: str) -> bool:
