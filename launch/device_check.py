@@ -104,8 +104,8 @@ def last_line(text: str) -> str:
 
 
 def markdown_part(out: str) -> str:
-    """A bench part's section from its stdout, its heading one level down (### under the check's ##)."""
-    return "\n".join(f"#{line}" if line.startswith("## ") else line for line in out.strip().splitlines())
+    """A bench part's section from its stdout, its headings two levels down (under the check's ### part heading)."""
+    return "\n".join(f"##{line}" if line.startswith("#") else line for line in out.strip().splitlines())
 
 
 class Section:
@@ -122,8 +122,10 @@ class Section:
         print(text.strip(), flush=True)
 
 
-# Seconds each part may take: with start-up, 8 minutes in all (launch/device_check.sh stops the whole check there)
+# Seconds each part may take on a GPU: with start-up, 8 minutes in all (launch/device_check.sh stops the check there);
+# the CPU's dry run compiles on a small machine, and has 15 minutes in all
 LIMITS = dict(tests=120, train=130, models=90)
+CPU_LIMITS = dict(tests=240, train=300, models=240)
 
 
 def main(argv=None) -> int:
@@ -133,6 +135,7 @@ def main(argv=None) -> int:
     parser.add_argument("--runs", type=int, default=None, help="timed runs per bench cell (default 3; --cpu 1)")
     args = parser.parse_args(argv)
     runs = args.runs or (1 if args.cpu else 3)
+    limits = CPU_LIMITS if args.cpu else LIMITS
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}".rstrip(os.pathsep))
     env |= dict(JAX_PLATFORMS="cpu" if args.cpu else env.get("JAX_PLATFORMS", "cuda"), HF_HUB_OFFLINE="1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -148,7 +151,7 @@ def main(argv=None) -> int:
 
     tests = CPU_TESTS if args.cpu else GPU_TESTS
     status, out, err, seconds = command(
-        [sys.executable, "-m", "pytest", "-q", "-m", "not slow", *tests], env, LIMITS["tests"]
+        [sys.executable, "-m", "pytest", "-q", "-m", "not slow", *tests], env, limits["tests"]
     )
     result = last_line(out) if status != 124 else "stopped: out of time"
     section.add(f"### Tests\n\n`pytest -q -m 'not slow' {' '.join(tests)}`: {result} ({seconds:.0f} s).")
@@ -159,7 +162,7 @@ def main(argv=None) -> int:
             flags = [f"--runs={runs}", "--train_dtype=bfloat16", f"--train_pair={pair}"]
             flags.append(f"--train_step={batch},{accum},{tokens}")
             status, out, err, seconds = command(
-                [sys.executable, "-m", "mot_jax.bench", "train", *flags], env, LIMITS["train"]
+                [sys.executable, "-m", "mot_jax.bench", "train", *flags], env, limits["train"]
             )
             cut = f", {layers} of {SHAPES[source]['num_hidden_layers']} layers each" if layers else ""
             heading = f"### Training step, {name} shapes{cut}: {batch} x {accum} x {tokens:,} tokens, bfloat16"
@@ -171,7 +174,7 @@ def main(argv=None) -> int:
     flags = [f"--models={','.join(models)}", "--pair=", "--dtypes=bfloat16", f"--batches={batch}"]
     flags += [f"--tokens={length}", f"--runs={runs}"]
     status, out, err, seconds = command(
-        [sys.executable, "-m", "mot_jax.bench", "models", *flags], env, LIMITS["models"]
+        [sys.executable, "-m", "mot_jax.bench", "models", *flags], env, limits["models"]
     )
     body = markdown_part(out) if status == 0 else f"failed (exit {status}): {last_line(err)}"
     heading = f"### Prefill against transformers: batch {batch}, {length:,} tokens, bfloat16"
