@@ -51,6 +51,7 @@ GPU_TRAIN = (
 CPU_TRAIN = (("tiny Qwen2 -> Qwen2", "random:qwen2", "random:qwen2-large", None, 2, 1, 32),)
 GPU_TESTS = ["tests/test_models.py", "tests/test_trainer.py", "tests/test_layers.py", "tests/test_attention_loss.py"]
 CPU_TESTS = ["tests/test_train_run.py", "-k", "gpu_sized"]
+CHEAP_CPU_COMPILES = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
 
 
 def shapes_dir(root: Path, name: str, layers: int | None) -> str:
@@ -138,6 +139,8 @@ def main(argv=None) -> int:
     limits = CPU_LIMITS if args.cpu else LIMITS
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}".rstrip(os.pathsep))
     env |= dict(JAX_PLATFORMS="cpu" if args.cpu else env.get("JAX_PLATFORMS", "cuda"), HF_HUB_OFFLINE="1")
+    if args.cpu and "xla_backend_optimization_level" not in env.get("XLA_FLAGS", ""):  # a dry run: cheap compiles
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {' '.join(CHEAP_CPU_COMPILES)}".strip()
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     began = time.perf_counter()
     device = device_line(env)
