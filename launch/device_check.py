@@ -139,8 +139,10 @@ def main(argv=None) -> int:
     limits = CPU_LIMITS if args.cpu else LIMITS
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}".rstrip(os.pathsep))
     env |= dict(JAX_PLATFORMS="cpu" if args.cpu else env.get("JAX_PLATFORMS", "cuda"), HF_HUB_OFFLINE="1")
-    if args.cpu and "xla_backend_optimization_level" not in env.get("XLA_FLAGS", ""):  # a dry run: cheap compiles
-        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {' '.join(CHEAP_CPU_COMPILES)}".strip()
+    if args.cpu:  # a dry run: one CPU device (as a single GPU), cheap compiles
+        flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device")]
+        flags += [f for f in CHEAP_CPU_COMPILES if f.split("=")[0] not in " ".join(flags)]
+        env["XLA_FLAGS"] = " ".join(flags)
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     began = time.perf_counter()
     device = device_line(env)
