@@ -137,6 +137,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     runs = args.runs or (1 if args.cpu else 3)
     limits = CPU_LIMITS if args.cpu else LIMITS
+    # the configs' default step (replay, sparse mixture) on the GPU; the CPU's dry run the cheapest to compile
+    variants = "replay-dense" if args.cpu else "replay-sparse"
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}".rstrip(os.pathsep))
     env |= dict(JAX_PLATFORMS="cpu" if args.cpu else env.get("JAX_PLATFORMS", "cuda"), HF_HUB_OFFLINE="1")
     if args.cpu:  # a dry run: one CPU device (as a single GPU), cheap compiles
@@ -165,7 +167,7 @@ def main(argv=None) -> int:
         for name, source, target, layers, batch, accum, tokens in CPU_TRAIN if args.cpu else GPU_TRAIN:
             pair = ",".join(shapes_dir(Path(tmp), m, layers) for m in (source, target))
             flags = [f"--runs={runs}", "--train_dtype=bfloat16", f"--train_pair={pair}"]
-            flags.append(f"--train_step={batch},{accum},{tokens}")
+            flags += [f"--train_step={batch},{accum},{tokens}", f"--train_variants={variants}"]
             status, out, err, seconds = command(
                 [sys.executable, "-m", "mot_jax.bench", "train", *flags], env, limits["train"]
             )

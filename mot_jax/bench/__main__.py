@@ -110,6 +110,8 @@ def define_flags():
     flags.DEFINE_list("train_pair", [], "train: SOURCE,TARGET model names instead of the experiment's own.")
     step = "train: BATCH,ACCUM,TOKENS: the step's sequences, micro-batches and tokens instead of the experiment's."
     flags.DEFINE_list("train_step", [], step)
+    variants = "train: the steps to time, some of replay-sparse, replay-dense, direct-sparse (default: all)."
+    flags.DEFINE_list("train_variants", [], variants)
     flags.DEFINE_enum("train_dtype", "", ["", "float32", "bfloat16"], "train: the LLMs' dtype ('': the experiment's).")
     flags.DEFINE_integer("eval_examples", 32, "eval: examples of the evaluation's answer loop (no context, native).")
     flags.DEFINE_integer("eval_batch", 16, "eval: its batch size (the evaluation's default).")
@@ -133,6 +135,10 @@ def make_plan(fail) -> Plan:
         fail(
             f"--train_step takes three whole numbers of at least 1, BATCH,ACCUM,TOKENS, not {','.join(f.train_step)!r}."
         )
+    from mot_jax.bench.train import VARIANTS
+
+    if set(f.train_variants) - set(VARIANTS):
+        fail(f"--train_variants takes some of {', '.join(VARIANTS)}, not {','.join(f.train_variants)!r}.")
     from mot_jax.errors import MotJaxError
     from mot_jax.evals.run import recompute_fractions
 
@@ -147,6 +153,7 @@ def make_plan(fail) -> Plan:
         only=tuple(f.only),
         train_pair=tuple(f.train_pair),
         train_step=train_step,
+        train_variants=tuple(f.train_variants),
         recompute=recompute,
     )
     if f.quick:
