@@ -11,13 +11,19 @@ translated cache approaching the native context (the paper's GPT-2 numbers are i
 `:tiny` runs the same recipe on tiny random GPT-2 models on a CPU in seconds.
 """
 
-from mot_jax.training.config import base, parse_arg, tiny
+from mot_jax.training.config import base, gpu_step, parse_arg, tiny
+
+# batch_size, grad_accum, data.total_tokens of a step that fills one 80 GB GPU or eight (configs/README.md)
+GPU_STEPS = {"gpu1": (64, 1, 512), "gpu8": (512, 1, 512)}
 
 
 def get_config(arg=None):
     c = base()
     c.source, c.target = "gpt2", "gpt2"
     c.data.corpus = "huggingface:openwebtext"  # the paper's corpus (needs network); docs_prose works offline
-    if parse_arg(arg):
+    arg = parse_arg(arg)
+    if arg in GPU_STEPS:
+        gpu_step(c, arg, *GPU_STEPS[arg])
+    if arg == "tiny":
         tiny(c, "gpt2", "gpt2")
     return c

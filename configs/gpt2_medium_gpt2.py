@@ -10,7 +10,10 @@ cross-depth translator whose cache brings extractive-QA F1 close to the native c
 `:tiny` runs the same recipe on tiny random GPT-2 models on a CPU in seconds.
 """
 
-from mot_jax.training.config import base, parse_arg, tiny
+from mot_jax.training.config import base, gpu_step, parse_arg, tiny
+
+# batch_size, grad_accum, data.total_tokens of a step that fills one 80 GB GPU or eight (configs/README.md)
+GPU_STEPS = {"gpu1": (64, 1, 512), "gpu8": (512, 1, 512)}
 
 
 def get_config(arg=None):
@@ -22,6 +25,9 @@ def get_config(arg=None):
     c.translator.update(num_experts=4, top_k=2)
     c.steps, c.optim.warmup_steps = 10_000, 500
     c.eval_every, c.checkpoint_every = 500, 500
-    if parse_arg(arg):
+    arg = parse_arg(arg)
+    if arg in GPU_STEPS:
+        gpu_step(c, arg, *GPU_STEPS[arg])
+    if arg == "tiny":
         tiny(c, "gpt2", "gpt2")
     return c

@@ -10,7 +10,10 @@ Expected: the validation loss well below the untrained translator's; the paper's
 scale (its Table 2). `:tiny` runs the same recipe on tiny random OPT and Qwen2 models on a CPU in seconds.
 """
 
-from mot_jax.training.config import base, parse_arg, tiny
+from mot_jax.training.config import base, gpu_step, parse_arg, tiny
+
+# batch_size, grad_accum, data.total_tokens of a step that fills one 80 GB GPU or eight (configs/README.md)
+GPU_STEPS = {"gpu1": (16, 2, 1024), "gpu8": (128, 1, 1024)}
 
 
 def get_config(arg=None):
@@ -18,6 +21,9 @@ def get_config(arg=None):
     c.source, c.target = "facebook/opt-1.3b", "Qwen/Qwen2.5-0.5B"
     c.data.corpus = "huggingface:openwebtext"
     c.data.source_length = 160
-    if parse_arg(arg):
+    arg = parse_arg(arg)
+    if arg in GPU_STEPS:
+        gpu_step(c, arg, *GPU_STEPS[arg])
+    if arg == "tiny":
         tiny(c, "opt", "qwen2")
     return c

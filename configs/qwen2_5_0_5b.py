@@ -10,7 +10,10 @@ Hardware: one GPU with 40 GB+ (A100/H100) or a TPU v4-8 / v5e-8 host (batch over
 `:tiny` runs the same recipe on tiny random Qwen2 models on a CPU in seconds.
 """
 
-from mot_jax.training.config import base, parse_arg, tiny
+from mot_jax.training.config import base, gpu_step, parse_arg, tiny
+
+# batch_size, grad_accum, data.total_tokens of a step that fills one 80 GB GPU or eight (configs/README.md)
+GPU_STEPS = {"gpu1": (16, 2, 1024), "gpu8": (128, 1, 1024)}
 
 
 def get_config(arg=None):
@@ -19,6 +22,9 @@ def get_config(arg=None):
     c.dtype = "bfloat16"
     c.data.corpus = "huggingface:openwebtext"
     c.translator.k_attn = 128
-    if parse_arg(arg):
+    arg = parse_arg(arg)
+    if arg in GPU_STEPS:
+        gpu_step(c, arg, *GPU_STEPS[arg])
+    if arg == "tiny":
         tiny(c, "qwen2", "qwen2")
     return c

@@ -10,7 +10,10 @@ Time: ~3 hours on a v4-32 (not yet measured on our side). Expected: the paper's 
 `:tiny` runs the same recipe on tiny random Qwen2 models on a CPU in seconds.
 """
 
-from mot_jax.training.config import base, parse_arg, tiny
+from mot_jax.training.config import base, gpu_step, parse_arg, tiny
+
+# batch_size, grad_accum, data.total_tokens of a step that fills one 80 GB GPU or eight (configs/README.md)
+GPU_STEPS = {"gpu1": (4, 4, 1024), "gpu8": (32, 1, 1024)}
 
 
 def get_config(arg=None):
@@ -20,7 +23,10 @@ def get_config(arg=None):
     c.data.corpus = "huggingface:openwebtext"
     c.mesh.expert, c.mesh.fsdp = 2, True
     c.batch_size, c.grad_accum = 16, 1
-    if parse_arg(arg):
+    arg = parse_arg(arg)
+    if arg in GPU_STEPS:
+        gpu_step(c, arg, *GPU_STEPS[arg])
+    if arg == "tiny":
         tiny(c, "qwen2", "qwen2")
         c.mesh.expert, c.batch_size = 1, 2
     return c

@@ -15,7 +15,10 @@ well below the untrained translator's. `:tiny` runs the same recipe on tiny rand
 in seconds.
 """
 
-from mot_jax.training.config import base, parse_arg, tiny
+from mot_jax.training.config import base, gpu_step, parse_arg, tiny
+
+# batch_size, grad_accum, data.total_tokens of a step that fills one 80 GB GPU or eight (configs/README.md)
+GPU_STEPS = {"gpu1": (16, 2, 1024), "gpu8": (128, 1, 1024)}
 
 
 def get_config(arg=None):
@@ -23,6 +26,9 @@ def get_config(arg=None):
     c.source, c.target = "Qwen/Qwen2.5-0.5B-Instruct", "Qwen/Qwen3-0.6B"
     c.dtype = "bfloat16"
     c.data.corpus = "huggingface:openwebtext"
-    if parse_arg(arg):
+    arg = parse_arg(arg)
+    if arg in GPU_STEPS:
+        gpu_step(c, arg, *GPU_STEPS[arg])
+    if arg == "tiny":
         tiny(c, "qwen2", "qwen3")
     return c

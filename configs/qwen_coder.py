@@ -49,10 +49,12 @@ its source-free twin (`--config.translator.inputs=embeddings,hidden`) answers ne
 """
 
 from mot_jax.errors import MotJaxError
-from mot_jax.training.config import base, dial, tiny
+from mot_jax.training.config import base, dial, gpu_step, tiny
 from mot_jax.translate import kinds
 
-CHOICES = ("reverse", "kvp", "questions", "tiny")
+CHOICES = ("reverse", "kvp", "questions", "tiny", "gpu1", "gpu8")
+# batch_size, grad_accum, data.total_tokens of a step that fills one 80 GB GPU or eight (configs/README.md)
+GPU_STEPS = {"gpu1": (8, 4, 2048), "gpu8": (64, 1, 2048)}
 SMALL, BIG = "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"
 
 
@@ -73,6 +75,8 @@ def get_config(arg=None):
     if "questions" in parts:
         c.data.update(copy_fraction=0.25, question_fraction=0.25, fact_fraction=0.25)
         c.loss.distill_weight = 1.0
+    for arg in set(parts) & set(GPU_STEPS):
+        gpu_step(c, arg, *GPU_STEPS[arg])
     if "tiny" in parts:
         families = ("qwen2-large", "qwen2") if reverse else ("qwen2", "qwen2-large")
         tiny(c, *families)

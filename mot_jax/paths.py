@@ -27,3 +27,17 @@ def as_path(workdir) -> epath.Path:
     """A local or cloud (gs://) directory path."""
     path = epath.Path(workdir)
     return path if "://" in str(workdir) else epath.Path(Path(workdir).absolute())
+
+
+def use_compilation_cache(enabled: bool = True) -> Path | None:
+    """JAX's persistent compilation cache in `cache_root()/xla`: a second run loads its compiled steps from there
+    instead of compiling them again. A folder JAX was already given (`JAX_COMPILATION_CACHE_DIR`, as a test session
+    sets) stays; `enabled=False` turns the cache off. Returns the folder in use (None when off)."""
+    import jax  # here: importing jax is slow, and most of this module's users need no JAX
+
+    if not enabled:
+        jax.config.update("jax_enable_compilation_cache", False)
+        return None
+    if not jax.config.jax_compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", str(cache_root() / "xla"))
+    return Path(jax.config.jax_compilation_cache_dir)

@@ -26,6 +26,12 @@ _COORDINATOR = flags.DEFINE_string(
 # read in main (a malformed variable: one line there, not a traceback at import)
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Multi-process: N (default $JAX_NUM_PROCESSES).")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "Multi-process: 0 .. N-1 (default $JAX_PROCESS_ID).")
+_COMPILATION_CACHE = flags.DEFINE_bool(
+    "compilation_cache",
+    True,
+    "Keep compiled programs in the cache folder ($MOT_JAX_CACHE/xla) so that the next run loads them instead of "
+    "compiling again; --nocompilation_cache: compile every time.",
+)
 _DISTRIBUTED = flags.DEFINE_bool(
     "distributed",
     None,
@@ -39,7 +45,10 @@ def main(argv):
         raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
     log_info_quietly()
     from mot_jax import multihost  # after flag parsing: importing jax is slow
+    from mot_jax.paths import use_compilation_cache
     from mot_jax.training.loop import train_and_evaluate
+
+    use_compilation_cache(_COMPILATION_CACHE.value)
 
     def initialize():  # before any other JAX call; a single process stays as it is
         num_processes = _NUM_PROCESSES.value

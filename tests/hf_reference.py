@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import torch
 import transformers
@@ -175,6 +177,14 @@ def positions_for(mask):
     return np.maximum(np.cumsum(mask, axis=1) - 1, 0)
 
 
+def full_cache(model) -> dict:
+    """The keyword argument that hands `model` a cache of full layers: a DynamicCache with no config (one made from
+    the config crops sliding-window layers to their window), under the name the installed transformers takes
+    (`cache`, `past_key_values` in releases before it; a name it does not take is ignored, and it makes its own)."""
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return {name: transformers.DynamicCache()}
+
+
 def run_reference(model, ids, mask):
     """logits [B, T, V] and per-layer K, V [L, B, K, T, d] from transformers (positions from the mask)."""
     with torch.no_grad():
@@ -182,8 +192,8 @@ def run_reference(model, ids, mask):
             input_ids=torch.tensor(ids),
             attention_mask=torch.tensor(mask),
             position_ids=torch.tensor(positions_for(mask)),
-            cache=transformers.DynamicCache(),  # no config: full (not window-cropped) layers
             use_cache=True,
+            **full_cache(model),
         )
     cache = out.cache if getattr(out, "cache", None) is not None else out.past_key_values
     k = np.stack([layer.keys.float().numpy() for layer in cache.layers])

@@ -86,7 +86,12 @@ def test_quick_page(tmp_path):
 
 @pytest.mark.parametrize(
     "args, said",
-    [(["modles"], ["unknown part 'modles'", "models"]), (["ttft", "--recompute=0.1"], ["--recompute", "--workdirs"])],
+    [
+        (["modles"], ["unknown part 'modles'", "models"]),
+        (["ttft", "--recompute=0.1"], ["--recompute", "--workdirs"]),
+        (["train", "--train_step=8,0,2048"], ["--train_step takes three whole numbers", "'8,0,2048'"]),
+        (["train", "--train_variants=replay"], ["--train_variants takes some of replay-sparse", "'replay'"]),
+    ],
 )
 def test_bad_arguments_are_one_line(args, said):
     result = run_bench(*args, timeout=120)

@@ -178,6 +178,7 @@ def test_a_single_process_stays_single_and_bad_coordinates_are_explained(monkeyp
     assert multihost.detected_cluster(dict(OMPI_COMM_WORLD_SIZE="2")) == "openmpi"
 
 
+@pytest.mark.devices(8)
 def test_local_rows_of_one_process_are_the_whole_batch():
     mesh = jax.sharding.Mesh(np.asarray(jax.devices()).reshape(4, 2), ("data", "expert"))
     assert multihost.local_rows(mesh, 8) == slice(0, 8)

@@ -1,9 +1,12 @@
 """Training runs that go wrong: bad counts, a busy workdir, a diverging run, a full disk, Ctrl-C; each stops in one
 line and keeps only checkpoints that are good."""
 
+import collections
 import errno
 import json
 import math
+import os
+import re
 import shutil
 import signal
 import subprocess
@@ -18,6 +21,7 @@ import pytest
 from helpers import ROOT, TINY_FLAGS, load_config, one_device_command_env, run_cli
 from orbax.checkpoint._src.handlers import json_checkpoint_handler
 
+from mot_jax.cli import run_or_exit
 from mot_jax.errors import MotJaxError
 from mot_jax.locks import file_lock
 from mot_jax.paths import as_path
@@ -158,13 +162,23 @@ def recording(monkeypatch):
     return seen
 
 
-def test_a_diverging_run_keeps_only_finite_checkpoints_and_names_the_last(tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "every,bad",
+    [
+        (dict(checkpoint_every=1), "validation loss became nan after the update at step 3"),
+        # the metrics read back every 4 steps: the saves at step 2 and 4 read them first
+        (dict(checkpoint_every=2, eval_every=4, log_every=4), "loss became nan at step 4"),
+    ],
+)
+def test_a_diverging_run_keeps_only_finite_checkpoints_and_names_the_last(tmp_path, monkeypatch, every, bad):
     # a sane rate for two updates, then a huge one: the loss of step 3 is still finite (it is computed before the
     # update), the parameters after it are not usable
     monkeypatch.setattr(optim, "warmup_cosine", lambda *a: lambda count: jnp.where(count < 2, 1e-3, 1e30))
     seen = recording(monkeypatch)
-    config = load_config(steps=4, checkpoint_every=1, **FAST)
-    with pytest.raises(MotJaxError, match=r"non-finite\); stopped, the last good checkpoint is step (\d)") as e:
+    config = load_config(steps=4, **every, **FAST)
+    with pytest.raises(
+        MotJaxError, match=rf"{bad} \(non-finite\); stopped, the last good checkpoint is step (\d)"
+    ) as e:
         loop.train_and_evaluate(config, tmp_path)
     named = int(str(e.value).split("last good checkpoint is step ")[1].split(" ")[0])
     losses = checkpoint_losses(seen["trainer"], tmp_path, seen["datasets"].validation[: config.eval_batches])
@@ -219,6 +233,10 @@ def test_a_failed_save_stops_the_run_and_keeps_the_last_checkpoint(tmp_path, mon
     checkpoints.close()
 
 
+def saved_state(workdir, step: int):
+    return ocp.StandardCheckpointer().restore(workdir / "checkpoints" / str(step) / "state")
+
+
 def signalled_run(workdir, signum: int, at_call: int):
     """The tiny run of 6 steps (checkpoints every 2) that sends itself `signum` as its `at_call`-th step starts."""
     # Ctrl-C's handler as a terminal gives it: a process started in the background (nohup CMD &, as a CI runner may
@@ -252,18 +270,18 @@ def signalled_run(workdir, signum: int, at_call: int):
 
 @pytest.mark.slow
 def test_ctrl_c_stops_in_one_line_and_exits(tmp_path):
-    result, errors = signalled_run(tmp_path, signal.SIGINT, at_call=3)  # step 3 not begun: step 2 is saved
+    result, errors = signalled_run(tmp_path, signal.SIGINT, at_call=3)  # as step 3 starts: it ends and is saved
     assert result.returncode == 128 + signal.SIGINT, result.stderr[-2000:]
     assert errors == [
-        f"error: interrupted after step 2; the last checkpoint is step 2 in {tmp_path}; run the same command to resume."
+        f"error: interrupted after step 3; checkpointed step 3 in {tmp_path}; run the same command to resume."
     ], result.stderr[-2000:]
-    assert np.isfinite(Checkpoints(as_path(tmp_path), 3).read_meta(2)["best_validation_loss"])
+    assert np.isfinite(Checkpoints(as_path(tmp_path), 3).read_meta(3)["best_validation_loss"])
 
 
 @pytest.mark.slow
 def test_sigterm_checkpoints_where_it_stopped_says_so_and_exits(tmp_path):
     # what SLURM and TPU preemption send: like Ctrl-C, and the steps done since the last checkpoint are saved
-    result, errors = signalled_run(tmp_path, signal.SIGTERM, at_call=4)
+    result, errors = signalled_run(tmp_path, signal.SIGTERM, at_call=3)  # as step 3 starts: it ends and is saved
     assert result.returncode == 128 + signal.SIGTERM, result.stderr[-2000:]
     assert errors == [
         f"error: terminated (SIGTERM) after step 3; checkpointed step 3 in {tmp_path}; run the same command to resume."
@@ -271,9 +289,99 @@ def test_sigterm_checkpoints_where_it_stopped_says_so_and_exits(tmp_path):
     checkpoints = Checkpoints(as_path(tmp_path), 3)
     meta = checkpoints.read_meta(3)
     assert meta["data_position"] == 3 * json.loads(meta["config"])["grad_accum"]  # resumes at step 4's batches
-    state = ocp.StandardCheckpointer().restore(tmp_path / "checkpoints" / "3" / "state")
+    state = saved_state(tmp_path, 3)
     assert int(optax.tree_utils.tree_get_all_with_path(state["opt_state"], "count")[0][1]) == 3  # 3 updates
     checkpoints.close()
+
+
+def sigterm_at(monkeypatch, where: str, call: int):
+    """Patches that send this process SIGTERM at the `call`-th time the run reaches `where`: "compile" (as a step is
+    dispatched: the first compiles), "step" (while a step holds the state it was handed), "validation" or "save"
+    (as a validation or a save during the steps begins)."""
+    counts, training = collections.Counter(), []
+
+    def at(name):
+        counts[name] += 1
+        if name == where and counts[name] == call:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    step, init, evaluate, save = loop.Trainer.train_step, loop.Trainer.__init__, loop.Trainer.evaluate, Checkpoints.save
+
+    def dispatch(self, batches):
+        training.append(1)
+        at("compile")
+        return step(self, batches)
+
+    def built(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        train = self._train
+
+        def in_flight(*args):  # the state is donated to the step: a Python-level interrupt here loses it
+            out = train(*args)
+            at("step")
+            return out
+
+        self._train = in_flight
+
+    def validating(self, *args, **kwargs):
+        if training:
+            at("validation")
+        return evaluate(self, *args, **kwargs)
+
+    def saving(self, *args, **kwargs):
+        at("save")
+        return save(self, *args, **kwargs)
+
+    for cls, name, fn in [
+        (loop.Trainer, "train_step", dispatch),
+        (loop.Trainer, "__init__", built),
+        (loop.Trainer, "evaluate", validating),
+        (Checkpoints, "save", saving),
+    ]:
+        monkeypatch.setattr(cls, name, fn)
+
+
+def check_preempted_then_resumed(workdir, config, reference, capsys, where: str, call: int):
+    """The run of `config` SIGTERMed at `where`'s `call`-th time exits 143 naming the step it kept, that checkpoint
+    holds that many finite updates, and running again ends on the parameters of the uninterrupted run `reference`."""
+    with pytest.MonkeyPatch.context() as patch:
+        sigterm_at(patch, where, call)
+        with pytest.raises(SystemExit) as stopped:
+            run_or_exit(loop.train_and_evaluate, config, workdir)
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert stopped.value.code == 128 + signal.SIGTERM and len(errors) == 1, (where, call, errors)
+    named = re.fullmatch(
+        rf"error: terminated \(SIGTERM\) after step (\d+); (?:checkpointed step|the last checkpoint is step) (\d+) "
+        rf"in {workdir}; run the same command to resume.",
+        errors[0],
+    )
+    assert named and named[1] == named[2], (where, call, errors)
+    kept = saved_state(workdir, int(named[1]))
+    assert int(optax.tree_utils.tree_get_all_with_path(kept["opt_state"], "count")[0][1]) == int(named[1])
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(kept) if np.issubdtype(x.dtype, np.floating))
+    loop.train_and_evaluate(config, workdir)
+    resumed, whole = (saved_state(w, config.steps)["params"] for w in (workdir, reference))
+    for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(whole), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    return int(named[1])
+
+
+def test_sigterm_while_a_step_holds_the_state_checkpoints_that_step(tmp_path, tiny_run, capsys):
+    # what SLURM, spot VMs and TPU maintenance send, and it lands in a step nearly always: the step ends, is saved
+    reference, _ = tiny_run  # load_config(steps=2), uninterrupted
+    assert check_preempted_then_resumed(tmp_path, load_config(steps=2), reference, capsys, "step", 1) == 1
+
+
+@pytest.mark.slow
+def test_sigterm_at_random_moments_keeps_the_last_completed_step(tmp_path, capsys):
+    config = load_config(steps=4, eval_every=2, checkpoint_every=2)
+    loop.train_and_evaluate(config, tmp_path / "whole")
+    rng = np.random.default_rng(0)
+    calls = dict(compile=4, step=4, validation=2, save=2)  # how often a 4-step run reaches each
+    for i in range(20):
+        where = ["compile", "step", "validation", "save"][i % 4]
+        call = int(rng.integers(1, calls[where] + 1))
+        check_preempted_then_resumed(tmp_path / str(i), config, tmp_path / "whole", capsys, where, call)
 
 
 def test_a_refusal_after_the_workdir_was_made_leaves_no_empty_shell(tmp_path):

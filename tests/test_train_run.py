@@ -12,6 +12,7 @@ import pytest
 from helpers import ROOT, load_config, run_cli
 
 from mot_jax.errors import MotJaxError
+from mot_jax.training import config as config_lib
 from mot_jax.training import loop
 
 CONFIGS = sorted(p.name for p in (ROOT / "configs").glob("*.py"))
@@ -112,3 +113,20 @@ def test_corrupt_checkpoint_is_refused(tiny_run, tmp_path):
             f.write_bytes(b"garbage")
     with pytest.raises(MotJaxError, match="cannot be read"):
         loop.train_and_evaluate(load_config(steps=4), workdir)
+
+
+GPU_CONFIGS = [n for n in CONFIGS if "GPU_STEPS" in (ROOT / "configs" / n).read_text()]
+
+
+@pytest.mark.parametrize("name", GPU_CONFIGS)
+def test_gpu_sized_steps_are_valid_and_stated_in_the_readme(name):
+    readme = (ROOT / "configs" / "README.md").read_text()
+    row = next(line for line in readme.splitlines() if line.startswith(f"| `{name}` |") and " x " in line)
+    for arg in ("gpu1", "gpu8"):
+        c = load_config(name, arg)
+        config_lib.check(c)
+        assert c.dtype == "bfloat16" and c.data.prefix_tokens < c.data.total_tokens
+        devices = 1 if arg == "gpu1" else 8
+        assert c.batch_size % (devices // c.mesh.expert) == 0  # the data axis splits the batch
+        tokens = c.batch_size * c.grad_accum * c.data.total_tokens
+        assert f"{c.batch_size} x {c.grad_accum} x {c.data.total_tokens:,}" in row and f"{tokens:,}" in row, row

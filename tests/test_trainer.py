@@ -1,5 +1,7 @@
 """The jitted training step: learning on tiny models, and the sharded step against the single-device step."""
 
+import threading
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,7 +11,7 @@ from helpers import Fixed, tiny_batch, tiny_config, trainer_for
 
 from mot_jax.errors import MotJaxError
 from mot_jax.training.setup import make_mesh
-from mot_jax.training.trainer import fit
+from mot_jax.training.trainer import NonFinite, fit
 from mot_jax.translate.linear_skip import RIDGE_GRID, solve_linear_skip
 
 
@@ -26,6 +28,7 @@ def test_loss_goes_down_on_tiny_models(mode):
     assert after["mse_k"] + after["mse_v"] < 0.8 * (before["mse_k"] + before["mse_v"]), (before, after)
 
 
+@pytest.mark.devices(8)
 def test_sharded_step_equals_single_device_step():
     """data 4 x expert 2 over 8 CPU devices against one device: same parameters after two steps."""
     results = []
@@ -51,6 +54,7 @@ def test_sharded_step_equals_single_device_step():
         np.testing.assert_allclose(a["loss"], b["loss"], rtol=1e-5)
 
 
+@pytest.mark.devices(8)
 def test_linear_skip_fit_is_the_same_on_a_sharded_mesh():
     """The least-squares start sums its statistics over the global batch: data 4 x expert 2 gives the one-device fit,
     and the fit lowers the K and V errors it reports."""
@@ -121,3 +125,50 @@ def test_bfloat16_compute_keeps_fp32_params_and_optimizer_state():
     assert {x.dtype for x in jax.tree.leaves(after)} == {jnp.dtype("float32")}
     assert {x.dtype for x in jax.tree.leaves(trainer.state["opt_state"]) if x.ndim} == {jnp.dtype("float32")}
     assert any(np.abs(a - b).max() > 0 for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)))
+
+
+def test_the_step_loop_reads_the_device_only_every_log_every_steps(monkeypatch):
+    """Steps are dispatched back to back: their metrics come back to the host every `log_every` steps (one read of
+    all of them), not after each step, and the batches are placed on the devices off the loop's thread."""
+    from jax._src.array import ArrayImpl
+
+    c = tiny_config()
+    c.log_every = 4
+    trainer, pair = trainer_for(c, make_mesh(c), steps=8)
+    batches = [tiny_batch(pair.source_tokenizer, pair.target_tokenizer, offset=2 * i) for i in range(2)]
+    dispatched, read_after, placed_on = [0], [], set()
+    train, value, place = trainer._train, ArrayImpl._value, trainer.place
+
+    def counted(*args):
+        dispatched[0] += 1
+        return train(*args)
+
+    def placing(batch, micro):
+        if not all(isinstance(x, jax.Array) for x in jax.tree.leaves(batch)):  # host arrays to place
+            placed_on.add(threading.current_thread() is threading.main_thread())
+        return place(batch, micro)
+
+    trainer._train, trainer.place = counted, placing
+    # every read of a device array's value (device_get, float(), np.asarray) goes through ArrayImpl._value
+    monkeypatch.setattr(ArrayImpl, "_value", property(lambda x: read_after.append(dispatched[0]) or value.fget(x)))
+    steps = []
+    fit(trainer, Fixed(batches), 0, 8, lambda step, metrics, seconds: steps.append((step, float(metrics["loss"]))))
+    assert dispatched[0] == 8 and sorted(set(read_after)) == [4, 8], read_after
+    assert placed_on == {False}  # every step's batch was placed by the prefetch thread
+    assert [s for s, _ in steps] == list(range(1, 9)) and all(np.isfinite([loss for _, loss in steps]))
+
+
+def test_a_non_finite_step_inside_a_read_window_is_named(monkeypatch):
+    """The metrics read back every 4 steps still name the first step that went bad: a huge rate from the third update
+    on leaves parameters near 1e30, and the fourth step's loss is NaN."""
+    from mot_jax.training import optim
+
+    monkeypatch.setattr(optim, "warmup_cosine", lambda *a: lambda count: jnp.where(count < 2, 1e-3, 1e30))
+    c = tiny_config()
+    c.log_every = 4
+    trainer, pair = trainer_for(c, make_mesh(c), steps=8)
+    batches = [tiny_batch(pair.source_tokenizer, pair.target_tokenizer)]
+    seen = []
+    with pytest.raises(NonFinite, match="^The loss became nan at step 4$"):
+        fit(trainer, Fixed(batches), 0, 8, lambda step, metrics, seconds: seen.append(step))
+    assert seen == [1, 2, 3]  # the steps before it were reported

@@ -133,6 +133,7 @@ def test_rotary_translation_runs_and_needs_linear_output(hf_pair):
         KVTranslator(spec, mixture_config(spec, source, target, **SMALL), rngs=nnx.Rngs(0))
 
 
+@pytest.mark.devices(4)
 def test_sharded_translation_equals_unsharded(hf_pair):
     source, target, _ = hf_pair
     ids, mask = batch(source.config.vocab_size)

@@ -15,6 +15,7 @@
   python -m mot_jax.bench train                 # the training step of configs/smollm2_gemma3.py (replay and direct)
   python -m mot_jax.bench train --train_dtype=bfloat16 --train_pair=random:DIR_S,random:DIR_T
                                                 # ... in bf16, on random weights of two checkpoints' shapes
+  python -m mot_jax.bench train --train_step=8,1,2048   # ... at a step of 8 sequences x 1 micro-batch x 2,048 tokens
   python -m mot_jax.bench features              # K/V-space training steps: frozen forwards live vs the feature cache
   python -m mot_jax.bench eval                  # the evaluation's examples per second against the compute bound of
                                                 # its prefills (their FLOPs / the machine's measured matmul rate)
@@ -107,6 +108,10 @@ def define_flags():
     only = "ttft: time only native and the methods whose names hold one of these strings (repeatable)."
     flags.DEFINE_multi_string("only", [], only)
     flags.DEFINE_list("train_pair", [], "train: SOURCE,TARGET model names instead of the experiment's own.")
+    step = "train: BATCH,ACCUM,TOKENS: the step's sequences, micro-batches and tokens instead of the experiment's."
+    flags.DEFINE_list("train_step", [], step)
+    variants = "train: the steps to time, some of replay-sparse, replay-dense, direct-sparse (default: all)."
+    flags.DEFINE_list("train_variants", [], variants)
     flags.DEFINE_enum("train_dtype", "", ["", "float32", "bfloat16"], "train: the LLMs' dtype ('': the experiment's).")
     flags.DEFINE_integer("eval_examples", 32, "eval: examples of the evaluation's answer loop (no context, native).")
     flags.DEFINE_integer("eval_batch", 16, "eval: its batch size (the evaluation's default).")
@@ -122,6 +127,18 @@ def make_plan(fail) -> Plan:
     f = flags.FLAGS
     if f.train_pair and len(f.train_pair) != 2:
         fail(f"--train_pair takes two model names, SOURCE,TARGET, not {','.join(f.train_pair)!r}.")
+    try:
+        train_step = tuple(int(v) for v in f.train_step)
+    except ValueError:
+        train_step = ()
+    if f.train_step and (len(train_step) != 3 or min(train_step) < 1):
+        fail(
+            f"--train_step takes three whole numbers of at least 1, BATCH,ACCUM,TOKENS, not {','.join(f.train_step)!r}."
+        )
+    from mot_jax.bench.train import VARIANTS
+
+    if set(f.train_variants) - set(VARIANTS):
+        fail(f"--train_variants takes some of {', '.join(VARIANTS)}, not {','.join(f.train_variants)!r}.")
     from mot_jax.errors import MotJaxError
     from mot_jax.evals.run import recompute_fractions
 
@@ -131,7 +148,14 @@ def make_plan(fail) -> Plan:
         fail(f"--recompute: {e}" if isinstance(e, MotJaxError) else "--recompute takes a comma list of shares.")
     if any(recompute) and not f.workdirs:
         fail("--recompute applies to trained translators; pass --workdirs with it.")
-    chosen = dict(workdirs=tuple(f.workdirs), only=tuple(f.only), train_pair=tuple(f.train_pair), recompute=recompute)
+    chosen = dict(
+        workdirs=tuple(f.workdirs),
+        only=tuple(f.only),
+        train_pair=tuple(f.train_pair),
+        train_step=train_step,
+        train_variants=tuple(f.train_variants),
+        recompute=recompute,
+    )
     if f.quick:
         return dataclasses.replace(QUICK, train_dtype=f.train_dtype, **chosen)
     try:

@@ -39,6 +39,8 @@ class Plan:
     quick: bool = False
     train_pair: tuple = ()  # train: (source, target) model names instead of the EXPERIMENT's own
     train_dtype: str = ""  # train: the LLMs' dtype instead of the EXPERIMENT's ("")
+    train_step: tuple = ()  # train: (batch_size, grad_accum, total_tokens) instead of the EXPERIMENT's
+    train_variants: tuple = ()  # train: the steps to time (bench.train.VARIANTS' names); empty: all
     eval_examples: int = 32  # eval: examples of the evaluation's answer loop, in batches of eval_batch
     eval_batch: int = 16
     matmul_size: int = 2048  # models, eval: the square matmul that measures the machine's rate

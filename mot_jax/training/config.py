@@ -158,7 +158,32 @@ def tiny(c: ml_collections.ConfigDict, source: str, target: str) -> ml_collectio
     return c
 
 
-def parse_arg(arg: str | None, allowed=("tiny",)) -> str | None:
+GPU_ARGS = ("gpu1", "gpu8")
+
+
+def resize_step(c: ml_collections.ConfigDict, batch_size: int, grad_accum: int, total_tokens: int):
+    """A step of `batch_size` sequences (over all devices) of `total_tokens` per micro-batch and `grad_accum`
+    micro-batches; the context keeps its share of the chunk and the source its room (prefix_tokens and source_length
+    scaled with total_tokens)."""
+    scale = total_tokens / c.data.total_tokens
+    c.data.prefix_tokens = round(c.data.prefix_tokens * scale)
+    c.data.source_length = round(c.data.source_length * scale)
+    c.data.total_tokens, c.batch_size, c.grad_accum = total_tokens, batch_size, grad_accum
+    return c
+
+
+def gpu_step(c: ml_collections.ConfigDict, arg: str, batch_size: int, grad_accum: int, total_tokens: int):
+    """`:gpu1` / `:gpu8`: the step sized to fill one 80 GB GPU or eight (`resize_step`), in bfloat16; the mesh's
+    data axis spans the GPUs its expert axis leaves (one GPU: no expert split)."""
+    resize_step(c, batch_size, grad_accum, total_tokens)
+    c.dtype = "bfloat16"
+    c.mesh.data = -1
+    if arg == "gpu1":
+        c.mesh.expert = 1
+    return c
+
+
+def parse_arg(arg: str | None, allowed=("tiny", *GPU_ARGS)) -> str | None:
     if arg not in (None, "", *allowed):
         raise MotJaxError(f"Unknown config argument {arg!r}; use one of: {', '.join(allowed)} (or none).")
     return arg or None

@@ -4,9 +4,9 @@ It sets up the pair, data, mesh and translator (`setup`), picks the channel map 
 jitted steps of a `trainer.Trainer` and reports (`report`). The run resumes from the workdir's latest checkpoint, holds
 a lock on the workdir for its whole life, stops on a non-finite loss or state, a failed save, Ctrl-C or SIGTERM in one
 line (keeping the last good checkpoint: a checkpoint is only saved once a forward on it gave a finite loss; Ctrl-C and
-SIGTERM first checkpoint the steps done since the last one), and ends with a short held-out comparison of the translated
-cache against no context, the native context and the translation from a shuffled source, on plain held-out chunks and on
-the same chunks made retrieval rows.
+SIGTERM stop after the step in flight and first checkpoint the steps done since the last one), and ends with a short
+held-out comparison of the translated cache against no context, the native context and the translation from a
+shuffled source, on plain held-out chunks and on the same chunks made retrieval rows.
 """
 
 from __future__ import annotations
@@ -14,15 +14,19 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import signal
+import threading
 import time
 from pathlib import Path
 
 import jax
+import numpy as np
 from absl import logging
 from etils import epath
+from jax.experimental import multihost_utils
 
 from mot_jax import multihost
-from mot_jax.errors import Interrupted, MotJaxError, cause
+from mot_jax.errors import Interrupted, MotJaxError, Terminated, cause
 from mot_jax.locks import file_lock
 from mot_jax.models.model_pair import ModelPair, load_pair
 from mot_jax.paths import as_path, cache_root
@@ -83,6 +87,42 @@ def removed_on_failure_if_empty(workdir: epath.Path, made: bool):
                     for p in [*(p for p in paths if p.is_dir()), root]:
                         p.rmdir()
         raise
+
+
+class StopRequests:
+    """SIGTERM and Ctrl-C while the steps run (a `with` block): the handler only records the signal, and the loop
+    stops after a step that every process agrees on (`__call__(step)`, true from that step on), with the state of a
+    completed step in hand to save, never one lost with a step in flight. One process agrees at once, after the step
+    in flight; several share what they received every `every` steps (an all-gather where the loop reads its metrics
+    back anyway; Python's handler replaces the one of JAX's preemption sync point). A second signal stops at once,
+    as outside the steps (Terminated, KeyboardInterrupt)."""
+
+    def __init__(self, every: int):
+        self.every, self.received, self.signal = every, 0, 0  # signal: the agreed one, 0 until then
+
+    def _handle(self, signum, frame):
+        if self.received:
+            raise Terminated if signum == signal.SIGTERM else KeyboardInterrupt
+        self.received = signum
+
+    def __enter__(self):
+        self.previous = {}
+        if threading.current_thread() is threading.main_thread():  # only it may set a signal handler
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                if signal.getsignal(signum) is not signal.SIG_IGN:  # a background process ignores Ctrl-C
+                    self.previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+
+    def __call__(self, step: int, final: bool = False) -> bool:
+        if not self.signal and jax.process_count() == 1:
+            self.signal = self.received
+        elif not self.signal and (final or step % self.every == 0):
+            self.signal = int(multihost_utils.process_allgather(np.int32(self.received)).max())
+        return bool(self.signal)
 
 
 def savable(trainer: Trainer, batches) -> bool:
@@ -200,15 +240,31 @@ def train_in(workdir, config, mesh, pair: ModelPair, datasets: Datasets, checkpo
             checkpoints.save(step, trainer.state, meta_at(step), best=improved)
             last_saved = step
 
+    def interrupted(stopped: KeyboardInterrupt, kept: str):
+        raise Interrupted(f"after step {done}; {kept} in {workdir}; run the same command to resume.", stopped) from None
+
+    def host_work(step):  # the steps whose metrics on_step needs checked before it validates or saves
+        return step % config.eval_every == 0 or step % config.checkpoint_every == 0
+
     logger = Logger(workdir, config.steps, start, tokens_per_step, config.log_every)
     try:
-        fit(trainer, train, start, config.steps, on_step)
+        with StopRequests(config.log_every) as requested:
+            fit(trainer, train, start, config.steps, on_step, read_at=host_work, stop=requested)
+            requested(done, final=True)  # one that came while the last step ran
+        if requested.signal:  # every process stops after step `done`, read back and checked
+            if done > last_saved and math.isfinite(trainer.evaluate(validation[:1])["loss"]):
+                checkpoints.save(done, trainer.state, meta_at(done))
+                last_saved = done
+                kept = f"checkpointed step {done}"
+            else:
+                kept = f"the last checkpoint is step {last_saved}" if last_saved else "no checkpoint was written"
+            interrupted(Terminated() if requested.signal == signal.SIGTERM else KeyboardInterrupt(), kept)
     except NonFinite as e:
         kept = f"the last good checkpoint is step {last_saved}" if last_saved else "no checkpoint was written"
         raise MotJaxError(
             f"{e} (non-finite); stopped, {kept} in {workdir}; lower --config.optim.learning_rate or use float32."
         ) from None
-    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (cli.run_or_exit raises it as Terminated)
+    except KeyboardInterrupt as e:  # a second Ctrl-C or SIGTERM, or one outside the steps (cli.run_or_exit)
         held = trainer.steps_done()  # None: the state was lost with the step in flight
         done = done if held is None else held
         if held is not None and held > last_saved and savable(trainer, validation[:1]):
@@ -216,7 +272,7 @@ def train_in(workdir, config, mesh, pair: ModelPair, datasets: Datasets, checkpo
             kept = f"checkpointed step {done}"
         else:
             kept = f"the last checkpoint is step {last_saved}" if last_saved else "no checkpoint was written"
-        raise Interrupted(f"after step {done}; {kept} in {workdir}; run the same command to resume.", e) from None
+        interrupted(e, kept)
     finally:
         logger.close()
     results = trainer.baselines(held_out, "Closing table, held-out") | dict(untrained=initial["held_out_ce"])

@@ -12,6 +12,7 @@ import dataclasses
 import itertools
 import math
 import time
+import types
 
 import jax
 import jax.numpy as jnp
@@ -139,12 +140,24 @@ class Trainer:
     # -- host side --
     def place(self, batch, micro: bool):
         """This process's rows of a numpy batch (all rows in a single process) -> global device arrays, the batch
-        axis (1 for stacked micro-batches, else 0) over `data`; JAX infers the global batch from the mesh."""
+        axis (1 for stacked micro-batches, else 0) over `data`; JAX infers the global batch from the mesh. Arrays
+        already placed (`placed_steps`) pass through."""
         lead = (None,) if micro else ()
-        put = lambda x: jax.make_array_from_process_local_data(
-            NamedSharding(self.mesh, PartitionSpec(*lead, "data", *([None] * (x.ndim - len(lead) - 1)))), x
+        put = lambda x: (
+            x
+            if isinstance(x, jax.Array)
+            else jax.make_array_from_process_local_data(
+                NamedSharding(self.mesh, PartitionSpec(*lead, "data", *([None] * (x.ndim - len(lead) - 1)))), x
+            )
         )
         return jax.tree.map(put, batch)
+
+    def placed_steps(self, stream, start: int, count: int):
+        """Steps [start, start + count)'s stacked micro-batches (`stream.batch(position)`), each prepared and placed on
+        the devices on a background thread while the device computes the steps before it."""
+        accum = self.config.grad_accum
+        step = lambda i: self.place(stack([stream.batch(i * accum + j) for j in range(accum)]), micro=True)
+        return data.prefetch(types.SimpleNamespace(batch=step), start, count)
 
     def trace_train_step(self, batches):
         """The jitted train step traced on stacked micro-batches (`stack`), to lower and compile it by hand: the
@@ -252,24 +265,36 @@ class NonFinite(MotJaxError):
         self.step = step
 
 
-def fit(trainer: Trainer, stream, start: int, steps: int, on_step=None):
-    """Run steps [start, steps) with micro-batches `stream.batch(position)` (prepared on a background thread while
-    the device computes); `on_step(step, metrics, seconds)` after each. Raises NonFinite, naming the step, on a
-    non-finite loss or a non-finite state after the update."""
-    accum = trainer.config.grad_accum
-    micro_batches = data.prefetch(stream, start * accum, (steps - start) * accum)
+def fit(trainer: Trainer, stream, start: int, steps: int, on_step=None, read_at=None, stop=None) -> int:
+    """Run steps [start, steps) on micro-batches `stream.batch(position)`, each step's prepared and placed on the
+    devices on a background thread while the device computes the steps before it. The steps are dispatched back to
+    back: their metrics (the loss, and whether the updated state is finite, computed on the device) are read back
+    only every `config.log_every` steps, at the last step and at each step `read_at(step)` names (where the caller
+    validates or saves); `on_step(step, metrics, seconds)` then runs for each step read back, `seconds` the steps'
+    mean. Raises NonFinite naming the first step whose loss or updated state is not finite. `stop(step)`, asked
+    after each step is dispatched, stops the run after that step (read back and checked); returns the last step."""
+    every = trainer.config.log_every
+    placed = trainer.placed_steps(stream, start, steps - start)
+    pending, began = [], time.perf_counter()  # the steps dispatched since the last read-back: their device metrics
     try:
-        for step in range(start, steps):
-            began = time.perf_counter()
-            metrics = jax.device_get(trainer.train_step(stack([next(micro_batches) for _ in range(accum)])))
-            if not math.isfinite(float(metrics["loss"])):
-                raise NonFinite(step + 1, f"The loss became {float(metrics['loss'])}")
-            if not metrics.pop("state_finite"):
-                raise NonFinite(step + 1, "The parameters or optimizer state became non-finite")
-            if on_step:
-                on_step(step + 1, metrics, time.perf_counter() - began)
+        for step in range(start + 1, steps + 1):
+            pending.append(trainer.train_step(next(placed)))
+            stopping = bool(stop and stop(step))
+            if step % every == 0 or step == steps or stopping or (read_at and read_at(step)):
+                seconds = (time.perf_counter() - began) / len(pending)
+                for done, metrics in enumerate(jax.device_get(pending), step - len(pending) + 1):
+                    if not math.isfinite(metrics["loss"]):
+                        raise NonFinite(done, f"The loss became {float(metrics['loss'])}")
+                    if not metrics.pop("state_finite"):
+                        raise NonFinite(done, "The parameters or optimizer state became non-finite")
+                    if on_step:
+                        on_step(done, metrics, seconds)
+                pending, began = [], time.perf_counter()
+            if stopping:
+                return step
     finally:
-        micro_batches.close()
+        placed.close()
+    return steps
 
 
 def start_linear_skip(trainer: Trainer, stream, num_batches: int, held_out: int = 0):
