@@ -172,3 +172,24 @@ def test_a_non_finite_step_inside_a_read_window_is_named(monkeypatch):
     with pytest.raises(NonFinite, match="^The loss became nan at step 4$"):
         fit(trainer, Fixed(batches), 0, 8, lambda step, metrics, seconds: seen.append(step))
     assert seen == [1, 2, 3]  # the steps before it were reported
+
+
+def test_a_rematerialised_step_trains_the_translator_as_the_plain_one_does():
+    """Two steps with the layer scans rematerialised (`remat=dots`, set on both models) leave the translator where two
+    plain steps do; a policy that does not exist is refused in one line."""
+    from mot_jax.training import config as config_lib
+
+    results = []
+    for remat in ("none", "dots"):
+        c = tiny_config()
+        c.remat = remat
+        trainer, pair = trainer_for(c, make_mesh(c), steps=2)
+        assert pair.source.remat == pair.target.remat == remat
+        batches = [tiny_batch(pair.source_tokenizer, pair.target_tokenizer, offset=2 * i) for i in range(2)]
+        fit(trainer, Fixed(batches), 0, 2)
+        results.append(jax.device_get(trainer.state["params"]))
+    for plain, rematerialised in zip(*(jax.tree.leaves(r) for r in results), strict=True):
+        np.testing.assert_allclose(rematerialised, plain, rtol=1e-5, atol=1e-6)
+    c.remat = "everything"
+    with pytest.raises(MotJaxError, match=r"^remat='everything' is not one of none, dots, nothing"):
+        config_lib.check(c)

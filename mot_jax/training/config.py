@@ -11,6 +11,7 @@ import math
 import ml_collections
 
 from mot_jax.errors import MotJaxError
+from mot_jax.models.base import REMAT_POLICIES
 from mot_jax.translate import kinds
 
 
@@ -19,6 +20,9 @@ def base() -> ml_collections.ConfigDict:
     c.source = "gpt2-medium"  # model names: embedded (smollm2-135m), GGUF file, HF dir or hub id, random:FAMILY
     c.target = "gpt2"
     c.dtype = "float32"  # LLM weights and compute: float32 | bfloat16 (translator params and optimizer stay fp32)
+    # what the backward pass through the frozen LLMs' layer scans keeps (the rest it recomputes): none (keep all) |
+    # dots (the projections' outputs, not attention's scores: a large target at long contexts) | nothing
+    c.remat = "none"
     c.seed = 42
 
     c.data = ml_collections.ConfigDict()
@@ -220,6 +224,8 @@ def lookup(c: ml_collections.ConfigDict, key: str):
 def check(c: ml_collections.ConfigDict):
     """Refuse counts and weights that cannot run (before anything is loaded or written)."""
     kinds.get(c.translator.kind)  # an unknown kind: refused here, in one line
+    if c.remat not in REMAT_POLICIES:
+        raise MotJaxError(f"remat={c.remat!r} is not one of {', '.join(REMAT_POLICIES)}; pass --config.remat=dots.")
     for key, least in (COUNTS | {f"translator.{k}": least for k, least in kinds.counts().items()}).items():
         value = lookup(c, key)
         if isinstance(value, bool) or not isinstance(value, int) or value < least:

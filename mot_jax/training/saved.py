@@ -16,8 +16,9 @@ from mot_jax.translate.config import TranslatorConfig
 # the translator fields added after runs were saved, at the value those runs had
 TRANSLATOR_ADDED = dict(kind="mot", linear_skip=False)
 SPEC_ADDED = dict(native_bottom=0, inputs=["source"], outputs="kv")
-# the training config's `translator` keys added after runs were saved
+# the training config's `translator` keys added after runs were saved, and its top-level keys
 TRAINING_ADDED = dict(skip_ridge=1e-3, skip_ridge_held_out=0)
+TRAINING_TOP_ADDED = dict(remat="none")
 
 
 def translator_dict(saved: dict) -> dict:
@@ -35,8 +36,8 @@ def spec_dict(saved: dict) -> dict:
 
 
 def training_config(saved: str) -> str:
-    """A saved training config (JSON) with the translator keys added since."""
-    config = json.loads(saved)
+    """A saved training config (JSON) with the keys added since."""
+    config = TRAINING_TOP_ADDED | json.loads(saved)
     if "translator" in config:
         config["translator"] = TRAINING_ADDED | config["translator"]
     return json.dumps(config)

@@ -44,6 +44,7 @@ class Trainer:
         rules = sharding.FSDP_RULES if config.mesh.fsdp else sharding.RULES
         for model in (pair.source, pair.target):
             sharding.shard(model, mesh, rules)
+            model.remat = config.remat
         translator = KVTranslator(spec, tcfg, rngs=nnx.Rngs(config.seed))
         sharding.shard(translator, mesh)
         self.graphdef, params = nnx.split(translator, nnx.Param)
