@@ -6,8 +6,8 @@ experts over `expert` (2), bf16. Multi-host runs start one process per host (see
     python -m mot_jax.train --config=configs/qwen2_5_7b.py --workdir=gs://BUCKET/runs/qwen7b
 
 500 steps of 16 sequences of 128 tokens with the paper's translator (dim 1024, 16 heads, depth 2, N=2, k=1).
-Time: ~3 hours on a v4-32 (not yet measured on our side). The target's layer scan is rematerialised
-(`remat="dots"`: its backward pass recomputes all but the projections' outputs). Expected: the paper's Qwen2.5-7B numbers above.
+Time: ~3 hours on a v4-32 (not yet measured on our side). Expected: the paper's Qwen2.5-7B numbers above. The
+target's layer scan is rematerialised (`remat="dots"`: its backward pass recomputes all but the projections' outputs).
 `:tiny` runs the same recipe on tiny random Qwen2 models on a CPU in seconds.
 """
 
