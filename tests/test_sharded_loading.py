@@ -90,15 +90,19 @@ def test_checkpoint_loads_onto_the_mesh_without_a_whole_weight_on_one_device(che
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
 
 
-def test_trainer_sharding_leaves_weights_loaded_onto_the_mesh_in_place(checkpoint, monkeypatch):
+def test_the_trainers_placement_leaves_weights_loaded_onto_the_mesh_in_place(checkpoint, monkeypatch):
+    """`sharding.shard` (the Trainer places the LLMs with it) moves nothing loaded onto the mesh: a bfloat16 load,
+    its values those of the unsharded bfloat16 load (converted on the host as on a device)."""
     mesh = sharding.make_mesh()
     model, _ = load_model(checkpoint, "bfloat16", mesh=mesh, rules=FSDP)
+    unsharded = flat_params(load_model(checkpoint, "bfloat16")[0])
     before = {name: var[...] for name, var in flat_params(model).items()}
-    puts = []
-    monkeypatch.setattr(jax, "device_put", lambda *a, **k: puts.append(a) or pytest.fail("a weight was moved"))
+    for name, value in before.items():
+        assert value.dtype == unsharded[name][...].dtype == jnp.bfloat16, name
+        np.testing.assert_array_equal(np.asarray(value), np.asarray(unsharded[name][...]), err_msg=name)
+    monkeypatch.setattr(jax, "device_put", lambda *a, **k: pytest.fail("a weight was moved"))
     sharding.shard(model, mesh, FSDP)
-    assert puts == [] and all(var[...] is before[name] for name, var in flat_params(model).items())
-    assert {v.dtype for v in before.values()} == {np.dtype(jnp.bfloat16)}
+    assert all(var[...] is before[name] for name, var in flat_params(model).items())
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -26,6 +26,7 @@ def load_pair(config, mesh=None) -> ModelPair:
     rules = sharding.llm_rules(config) if mesh is not None else sharding.RULES
     source, _ = load_model(config.source, config.dtype, mesh, rules)
     if config.target == config.source:
-        return ModelPair(source, source, *[load_tokenizer(config.source)] * 2)
+        tokenizer = load_tokenizer(config.source)
+        return ModelPair(source, source, tokenizer, tokenizer)
     target, _ = load_model(config.target, config.dtype, mesh, rules)
     return ModelPair(source, target, load_tokenizer(config.source), load_tokenizer(config.target))
