@@ -2,7 +2,9 @@
 
 Mesh axes: `data` (batch; optionally FSDP for the frozen LLMs) and `expert` (translator experts). Parameters carry
 logical names in their `out_sharding` metadata (see `mot_jax.models.layers.param`); `shard` places a module's
-parameters by those names, and jit then partitions the computation (expert parallelism over `expert`).
+parameters by those names, and jit then partitions the computation (expert parallelism over `expert`). Checkpoint
+loading (`mot_jax.models.registry`) creates the frozen LLMs' weights in those same shardings from the host, so a
+weight too big for one device never sits whole on one.
 """
 
 from __future__ import annotations
@@ -17,6 +19,11 @@ from mot_jax.errors import MotJaxError
 # logical axis -> mesh axis (absent: replicated)
 RULES = {"batch": "data", "expert": "expert"}
 FSDP_RULES = {**RULES, "embed": "data"}  # frozen LLM weights split over `data` for targets too big to replicate
+
+
+def llm_rules(config) -> dict:
+    """The rules for a run's frozen LLMs: FSDP-split over `data` when `config.mesh.fsdp`, else replicated."""
+    return FSDP_RULES if config.mesh.fsdp else RULES
 
 
 def make_mesh(data: int = -1, expert: int = 1, devices=None) -> jax.sharding.Mesh:
@@ -41,10 +48,17 @@ def spec(names, rules=RULES, shape=None, mesh=None) -> PartitionSpec:
     return PartitionSpec(*axes)
 
 
+def param_sharding(var, mesh, rules=RULES) -> NamedSharding:
+    """Where a parameter (or its abstract shape) lives on `mesh`: its logical axis names mapped by `rules`."""
+    names = var.get_metadata().get("out_sharding")
+    return NamedSharding(mesh, spec(names, rules, var.shape, mesh))
+
+
 def shard(module, mesh, rules=RULES):
-    """Place every parameter of `module` on `mesh` by its logical axis names (in place); returns the module."""
+    """Place every parameter of `module` on `mesh` by its logical axis names (in place; a parameter already placed
+    so, e.g. loaded onto the mesh, is left as it is); returns the module."""
     for _, var in nnx.to_flat_state(nnx.state(module, nnx.Param)):
-        names = var.get_metadata().get("out_sharding")
-        sharding = NamedSharding(mesh, spec(names, rules, var.shape, mesh))
-        var.set_value(jax.device_put(var[...], sharding))
+        sharding, value = param_sharding(var, mesh, rules), var[...]
+        if not (isinstance(value, jax.Array) and value.sharding.is_equivalent_to(sharding, value.ndim)):
+            var.set_value(jax.device_put(value, sharding))
     return module

@@ -159,7 +159,7 @@ class Fixed:
 def trainer_for(c, mesh, steps):
     """A Trainer of config `c` on `mesh` for `steps` steps and its model pair (loaded, channels resolved without a
     search): (trainer, pair)."""
-    pair = load_pair(c)
+    pair = load_pair(c, mesh)
     channel_map = resolve_channels(c, pair, None, mesh, None)
     spec, tcfg = translation(c, channel_map, pair)
     return Trainer(c, pair, spec, tcfg, mesh, steps), pair

@@ -28,9 +28,9 @@ def bench_features(plan: Plan):
     config.loss.ce_weight = 0.0
     accum, steps = config.grad_accum, plan.runs + 1
     config.data.update(feature_cache=True, train_chunks=config.batch_size * accum * steps)
-    pair = load_pair(config)
-    datasets = setup.make_datasets(config, pair)
     mesh = setup.make_mesh(config)
+    pair = load_pair(config, mesh)
+    datasets = setup.make_datasets(config, pair)
     spec, tcfg = setup.translation(config, resolve_channels(config, pair, datasets, mesh, None), pair)
     trainer = Trainer(config, pair, spec, tcfg, mesh, config.steps)
     began = time.perf_counter()

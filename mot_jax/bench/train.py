@@ -67,9 +67,9 @@ def bench_train(plan: Plan) -> Section:
         return c
 
     config = experiment("replay")
-    pair = load_pair(config)
-    datasets = setup.make_datasets(config, pair)
     mesh = setup.make_mesh(config)
+    pair = load_pair(config, mesh)
+    datasets = setup.make_datasets(config, pair)
     accum = config.grad_accum
     batches = [stack([datasets.train.batch(p * accum + i) for i in range(accum)]) for p in range(plan.runs + 1)]
     variants, stats = {}, {}

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mot_jax import sharding
 from mot_jax.errors import MotJaxError
 from mot_jax.files import atomic_folder, follow_umask, remove_leftovers, sha256_of
 from mot_jax.models import registry, tokenizers
@@ -186,10 +187,10 @@ def hf_config(meta: dict, shapes: dict[str, tuple]) -> dict:
 # ----------------------------------------------------------------------------------------------------- loading
 
 
-def model_from_tensors(config: dict, tensors: dict[str, np.ndarray], dtype="float32"):
+def model_from_tensors(config: dict, tensors: dict[str, np.ndarray], dtype="float32", mesh=None, rules=sharding.RULES):
     module, _ = registry.FAMILIES[config["model_type"]]
     source = registry.TensorSource.from_arrays(tensors, module.BASE_PREFIX)
-    return registry.load_from_source(module.config_from_hf(config), source, dtype)
+    return registry.load_from_source(module.config_from_hf(config), source, dtype, mesh, rules)
 
 
 def cache_dir_for(path: Path, name: str | None = None) -> Path:
@@ -251,8 +252,9 @@ def _write_cache(cache_dir: Path, gguf_path: Path, config: dict, tensors: dict, 
 _MISSING = "it does not exist"
 
 
-def convert(path, name: str | None = None, dtype="float32", load=True):
-    """(model or None, config dict, cache dir) of a GGUF file, converting it when its cache is missing or damaged."""
+def convert(path, name: str | None = None, dtype="float32", load=True, mesh=None, rules=sharding.RULES):
+    """(model or None, config dict, cache dir) of a GGUF file, converting it when its cache is missing or damaged;
+    the model on `mesh` by `rules` when given (`registry.load_params_into`)."""
     path = Path(path).expanduser()
     if not path.is_file():
         raise MotJaxError(f"GGUF file {path} does not exist; pass the path of a .gguf file.")
@@ -267,10 +269,11 @@ def convert(path, name: str | None = None, dtype="float32", load=True):
                     warnings.warn(message, stacklevel=2)
                 print(f"Converting {path.name} into {cache_dir} (once; later loads read the cache)...", file=sys.stderr)
                 config, tensors, meta = read_gguf(path)
-                model = model_from_tensors(config, tensors, dtype)  # checks every name and shape before any write
+                # checks every name and shape before any write
+                model = model_from_tensors(config, tensors, dtype, mesh, rules)
                 _write_cache(cache_dir, path, config, tensors, has_tokenizer="tokenizer.ggml.model" in meta)
                 return (model if load else None), config, cache_dir
-    model, config = registry.load_dir(cache_dir, dtype) if load else (None, None)
+    model, config = registry.load_dir(cache_dir, dtype, mesh, rules) if load else (None, None)
     return model, config or json.loads((cache_dir / "config.json").read_text()), cache_dir
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from mot_jax import sharding
 from mot_jax.errors import MotJaxError
 from mot_jax.models import gguf, registry, tiny, tokenizers
 
@@ -32,18 +33,20 @@ def resolve_model_dir(name_or_path: str) -> Path:
         ) from None
 
 
-def load_model(name_or_path: str, dtype="float32"):
+def load_model(name_or_path: str, dtype="float32", mesh=None, rules=sharding.RULES):
     """(model, config dict) from an embedded model name, a GGUF file, a hub id, a checkpoint directory or a tiny
-    random model (`random:FAMILY`, see `mot_jax.models.tiny`)."""
+    random model (`random:FAMILY`, see `mot_jax.models.tiny`). With a `mesh`, the weights are created directly in
+    their shardings by `rules` (`mot_jax.sharding`), never whole on one device; without, on the default device."""
     if tiny.is_random(name_or_path):
-        model, config, _ = tiny.load(name_or_path, dtype)
+        model, config, _ = tiny.load(name_or_path, dtype, mesh=mesh, rules=rules)
         return model, config
 
     gguf_path = gguf.resolve_gguf(name_or_path)
     if gguf_path is not None:
-        model, config, _ = gguf.convert(gguf_path, name_or_path if name_or_path in gguf.EMBEDDED else None, dtype)
+        embedded = name_or_path if name_or_path in gguf.EMBEDDED else None
+        model, config, _ = gguf.convert(gguf_path, embedded, dtype, mesh=mesh, rules=rules)
         return model, config
-    return registry.load_dir(resolve_model_dir(name_or_path), dtype)
+    return registry.load_dir(resolve_model_dir(name_or_path), dtype, mesh, rules)
 
 
 def load_tokenizer(name_or_path: str):

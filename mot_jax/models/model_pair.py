@@ -6,6 +6,7 @@ import dataclasses
 
 from absl import logging
 
+from mot_jax import sharding
 from mot_jax.models.loading import load_model, load_tokenizer
 
 
@@ -17,8 +18,15 @@ class ModelPair:
     target_tokenizer: object
 
 
-def load_pair(config) -> ModelPair:
-    """The pair a config names (`config.source`, `config.target`, in `config.dtype`)."""
+def load_pair(config, mesh=None) -> ModelPair:
+    """The pair a config names (`config.source`, `config.target`, in `config.dtype`). With a `mesh`, the weights are
+    created directly in the shardings the run's rules give them (`sharding.llm_rules`). A source that is the target
+    (one name) is loaded once: both are the same model object."""
     logging.info("Loading source %s and target %s (%s)", config.source, config.target, config.dtype)
-    source, target = (load_model(name, config.dtype)[0] for name in (config.source, config.target))
+    rules = sharding.llm_rules(config) if mesh is not None else sharding.RULES
+    source, _ = load_model(config.source, config.dtype, mesh, rules)
+    if config.target == config.source:
+        tokenizer = load_tokenizer(config.source)
+        return ModelPair(source, source, tokenizer, tokenizer)
+    target, _ = load_model(config.target, config.dtype, mesh, rules)
     return ModelPair(source, target, load_tokenizer(config.source), load_tokenizer(config.target))

@@ -4,6 +4,10 @@
 tensor goes through the family's mapping table and is shape-checked; a missing, unexpected, unreadable or
 mis-shaped tensor is a `MotJaxError` that names it. Which name means which model (tiny, GGUF, hub id) is
 `mot_jax.models.loading`'s business; this module only knows directories and tensors.
+
+Given a mesh, every weight is created directly in its sharding (`mot_jax.sharding`'s rules on its logical axis
+names): the model is built abstractly, each tensor is read (and stacked over layers) on the host, and each device
+receives only its own slice of it; no device ever holds a whole weight it should hold a part of.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from mot_jax import sharding
 from mot_jax.errors import MotJaxError
 from mot_jax.models import decoder, gemma3, gpt2, llama, opt, qwen2, qwen3
 from mot_jax.models.base import ModelConfig
@@ -188,11 +193,21 @@ class TensorSource:
             ) from None
 
 
-def build_model(cfg: ModelConfig, dtype=jnp.float32, seed=0, abstract=False):
-    """A randomly initialised model of this config (or its abstract shapes with `abstract=True`)."""
+def build_model(cfg: ModelConfig, dtype=jnp.float32, seed=0, abstract=False, mesh=None, rules=sharding.RULES):
+    """A randomly initialised model of this config (or its abstract shapes with `abstract=True`). With a `mesh`, it is
+    initialised in host memory (the CPU backend: the same values as without a mesh on a CPU machine) and each
+    device then receives only its slice of each param, in its sharding by `rules`."""
     _, cls = FAMILY_BY_NAME[cfg.family]
     make = lambda: cls(cfg, rngs=nnx.Rngs(seed), dtype=dtype)
-    return nnx.eval_shape(make) if abstract else make()
+    if abstract:
+        return nnx.eval_shape(make)
+    if mesh is None:
+        return make()
+    with jax.default_device(jax.local_devices(backend="cpu")[0]):
+        model = make()
+    for var in flat_params(model).values():
+        var.set_value(placed(np.asarray(var[...]), var.dtype, sharding.param_sharding(var, mesh, rules)))
+    return model
 
 
 def flat_params(model) -> dict:
@@ -200,8 +215,9 @@ def flat_params(model) -> dict:
     return {".".join(map(str, path)): var for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))}
 
 
-def load_params_into(model, source: TensorSource, table, ignored=()):
-    """Fill an (abstract) model's params from `source` through `table`; checks names and shapes."""
+def load_params_into(model, source: TensorSource, table, ignored=(), mesh=None, rules=sharding.RULES):
+    """Fill an (abstract) model's params from `source` through `table`; checks names and shapes. With a `mesh`, each
+    param is created in its sharding by `rules` (see `placed`), else on the default device."""
     cfg, dtype = model.config, model.param_dtype
     params = flat_params(model)
     filled = set()
@@ -223,7 +239,12 @@ def load_params_into(model, source: TensorSource, table, ignored=()):
                 )
             slices.append(value)
             unused.discard(name)
-        target.set_value(jnp.asarray(np.stack(slices) if rule.per_layer else slices[0], dtype=dtype))
+        value = np.stack(slices) if rule.per_layer else slices[0]
+        del slices  # the per-layer copies: one host copy of the tensor at a time
+        if mesh is None:
+            target.set_value(jnp.asarray(value, dtype=dtype))
+        else:
+            target.set_value(placed(value, dtype, sharding.param_sharding(target, mesh, rules)))
         filled.add(rule.ours)
     unexpected = sorted(source.full_name(n) for n in unused if not any(re.search(p, n) for p in ignored))
     if unexpected:
@@ -235,19 +256,26 @@ def load_params_into(model, source: TensorSource, table, ignored=()):
     return model
 
 
-def load_dir(model_dir: Path, dtype="float32"):
-    """(model, config dict) of a Hugging Face checkpoint directory: config.json and its weights."""
+def placed(host: np.ndarray, dtype, where: jax.sharding.Sharding) -> jax.Array:
+    """A host tensor as an array in sharding `where`: each device receives only its own slice, converted to `dtype`
+    on the host (as `jnp.asarray(host, dtype)` converts)."""
+    return jax.make_array_from_callback(host.shape, where, lambda index: np.asarray(host[index], dtype))
+
+
+def load_dir(model_dir: Path, dtype="float32", mesh=None, rules=sharding.RULES):
+    """(model, config dict) of a Hugging Face checkpoint directory: config.json and its weights (on `mesh` by
+    `rules` when given, see `load_params_into`)."""
     hf_config, cfg = read_config(model_dir)
     source = TensorSource.from_dir(model_dir, FAMILY_BY_NAME[cfg.family][0].BASE_PREFIX)
-    return load_from_source(cfg, source, dtype), hf_config
+    return load_from_source(cfg, source, dtype, mesh, rules), hf_config
 
 
-def load_from_source(cfg: ModelConfig, source: TensorSource, dtype="float32"):
+def load_from_source(cfg: ModelConfig, source: TensorSource, dtype="float32", mesh=None, rules=sharding.RULES):
     """A model of `cfg` with its parameters from `source` through the family's table (names and shapes checked)."""
     module, _ = FAMILY_BY_NAME[cfg.family]
     ignored = IGNORED + ((r"^lm_head\.weight$",) if cfg.tie_embeddings else ())
     model = build_model(cfg, resolve_dtype(dtype), abstract=True)
-    return load_params_into(model, source, module.hf_table(cfg), ignored)
+    return load_params_into(model, source, module.hf_table(cfg), ignored, mesh, rules)
 
 
 def hf_state_dict(model) -> dict[str, np.ndarray]:

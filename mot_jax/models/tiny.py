@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 from pathlib import Path
 
+from mot_jax import sharding
 from mot_jax.errors import MotJaxError
 from mot_jax.models import registry
 from mot_jax.models.registry import FAMILIES, FAMILY_BY_NAME, build_model, resolve_dtype
@@ -100,9 +101,11 @@ def load_tokenizer(name: str):
     return tokenizer(hf_config(name)["vocab_size"])
 
 
-def load(name: str, dtype="float32", seed: int = 0):
-    """(model, HF config dict, tokenizer) of a random model; the weights depend on the family and `seed`."""
+def load(name: str, dtype="float32", seed: int = 0, mesh=None, rules=sharding.RULES):
+    """(model, HF config dict, tokenizer) of a random model; the weights depend on the family and `seed` (on `mesh`
+    by `rules` when given: see `build_model`)."""
     config = hf_config(name)
     cfg = FAMILIES[config["model_type"]][0].config_from_hf(config)
-    model = build_model(cfg, resolve_dtype(dtype), seed=seed + sorted(FAMILY_BY_NAME).index(cfg.family))
+    seed += sorted(FAMILY_BY_NAME).index(cfg.family)
+    model = build_model(cfg, resolve_dtype(dtype), seed=seed, mesh=mesh, rules=rules)
     return model, config, load_tokenizer(name)

@@ -146,7 +146,7 @@ def train_and_evaluate(config, workdir) -> dict:
     with workdir_lock(workdir), removed_on_failure_if_empty(workdir, made):
         multihost.check_shared(workdir)
         with multihost.prepare_lock(cache_root()):  # processes on one host: the first builds caches, the others read
-            pair = load_pair(config)
+            pair = load_pair(config, mesh)
             datasets = make_datasets(config, pair, multihost.local_rows(mesh, config.batch_size))
         checkpoints = Checkpoints(workdir, config.keep_checkpoints)
         try:

@@ -41,9 +41,8 @@ class Trainer:
 
     def __init__(self, config, pair: ModelPair, spec, tcfg, mesh, total_steps: int):
         self.config, self.pair, self.mesh = config, pair, mesh
-        rules = sharding.FSDP_RULES if config.mesh.fsdp else sharding.RULES
-        for model in (pair.source, pair.target):
-            sharding.shard(model, mesh, rules)
+        for model in (pair.source, pair.target):  # a no-op for weights loaded onto the mesh (`load_pair`)
+            sharding.shard(model, mesh, sharding.llm_rules(config))
             model.remat = config.remat
         translator = KVTranslator(spec, tcfg, rngs=nnx.Rngs(config.seed))
         sharding.shard(translator, mesh)
