@@ -27,6 +27,7 @@ from jax.experimental import multihost_utils
 
 from mot_jax import multihost
 from mot_jax.errors import Interrupted, MotJaxError, Terminated, cause
+from mot_jax.files import strict_json
 from mot_jax.locks import file_lock
 from mot_jax.models.model_pair import ModelPair, load_pair
 from mot_jax.paths import as_path, cache_root
@@ -289,6 +290,6 @@ def train_in(workdir, config, mesh, pair: ModelPair, datasets: Datasets, checkpo
         channel_map=json.loads(channel_map.to_json()),
     )
     if jax.process_index() == 0:
-        (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
+        (workdir / "summary.json").write_text(strict_json(summary, indent=2))
         print(closing_report(summary, workdir, start))
     return summary
