@@ -7,6 +7,7 @@ import contextlib
 import glob
 import hashlib
 import json
+import math
 import os
 import re
 import secrets
@@ -17,6 +18,22 @@ from absl import logging
 from etils import epath
 
 from mot_jax.errors import MotJaxError
+
+
+def strict_json(value, **kwargs) -> str:
+    """`json.dumps(value, **kwargs)` that any JSON parser reads: a non-finite float (NaN, +-inf), which json.dumps
+    writes as a bare NaN or Infinity that JSON does not allow, is written as null."""
+    return json.dumps(_finite(value), allow_nan=False, **kwargs)
+
+
+def _finite(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def _temporary_name(name: str) -> str:

@@ -3,6 +3,7 @@
 import dataclasses
 import io
 import json
+import math
 import re
 import subprocess
 import sys
@@ -701,3 +702,42 @@ def test_an_interrupted_evaluation_says_where_its_results_so_far_are(trained_wor
     assert caught.value.exit_status == (143 if stop is Terminated else 130)
     rows = [json.loads(line) for line in (partial / "predictions.jsonl").read_text().splitlines()]
     assert [r["index"] for r in rows] == [0, 1] and not out.exists()
+
+
+def strict_json(text: str):
+    """JSON as a strict parser reads it: a bare NaN or Infinity (not JSON) raises."""
+
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_non_finite_scores_are_written_as_null_in_strict_json(tmp_path, monkeypatch):
+    """A gold answer whose log-probability underflows (-inf), and a paired difference of two such (NaN), reached
+    results.json and predictions.jsonl as bare -Infinity and NaN, which JSON does not allow. Every writer of the
+    report (the final one, the results so far, the fallback copy) writes them as null."""
+    prediction = dict(question="q", gold=["a"], generation="b", answer="b", f1=0.0, logprob=-math.inf)
+    scores = dict(f1=0.0, logprob=-math.inf, paired=dict(native=dict(logprob=dict(diff=math.nan, se=None))))
+    results = dict(meta=dict(target="t"), tasks=dict(extractive_qa=dict(methods=dict(native=scores))))
+    expected_scores = dict(f1=0.0, logprob=None, paired=dict(native=dict(logprob=dict(diff=None, se=None))))
+    expected_row = dict(task="extractive_qa", budget=None, method="native", index=0) | prediction | dict(logprob=None)
+    monkeypatch.setattr(report, "plots", lambda results, folder: [])
+    monkeypatch.setattr(report, "markdown", lambda results: "")
+
+    def written(folder):
+        saved = strict_json((folder / "results.json").read_text())
+        rows = [strict_json(line) for line in (folder / "predictions.jsonl").read_text().splitlines()]
+        assert saved["tasks"]["extractive_qa"]["methods"]["native"] == expected_scores
+        assert rows == [expected_row]
+
+    with_rows = lambda: dict(
+        results, tasks=dict(extractive_qa=dict(methods=dict(native=scores | dict(predictions=[prediction]))))
+    )
+    report.write(tmp_path / "out", with_rows())
+    written(tmp_path / "out")
+    partial = run.Partial(tmp_path / "eval")
+    partial.recorder("extractive_qa")("native", 0, [prediction])
+    partial.results(with_rows())
+    written(tmp_path / "eval.partial")
+    written(Path(run.keep_elsewhere(with_rows())))

@@ -22,7 +22,7 @@ from helpers import ROOT, TINY_FLAGS, load_config, one_device_command_env, run_c
 from orbax.checkpoint._src.handlers import json_checkpoint_handler
 
 from mot_jax.cli import run_or_exit
-from mot_jax.errors import MotJaxError
+from mot_jax.errors import Interrupted, MotJaxError
 from mot_jax.locks import file_lock
 from mot_jax.paths import as_path
 from mot_jax.training import loop, optim
@@ -184,6 +184,26 @@ def test_a_diverging_run_keeps_only_finite_checkpoints_and_names_the_last(tmp_pa
     losses = checkpoint_losses(seen["trainer"], tmp_path, seen["datasets"].validation[: config.eval_batches])
     assert losses and all(math.isfinite(v) for v in losses.values()), losses
     assert named == max(losses) == 2, (str(e.value), losses)
+
+
+def test_an_interrupt_never_checkpoints_a_non_finite_state(tmp_path, monkeypatch):
+    """Ctrl-C while the loop logs a step read back before the later steps' finiteness is checked: a state whose
+    optimizer moments overflowed (squared gradients past float32's range) still gives a finite loss, so checking
+    the loss alone saved it, and a resume from it fails at once. The state itself is checked before any save."""
+    seen = recording(monkeypatch)
+    logged = loop.Logger.step
+
+    def overflowed_then_interrupted(self, step, *args):
+        logged(self, step, *args)
+        trainer = seen["trainer"]
+        overflow = lambda x: x * jnp.inf if jnp.issubdtype(x.dtype, jnp.floating) else x
+        trainer.state = dict(trainer.state, opt_state=jax.tree.map(overflow, trainer.state["opt_state"]))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(loop.Logger, "step", overflowed_then_interrupted)
+    with pytest.raises(Interrupted, match="after step 1; no checkpoint was written"):
+        loop.train_and_evaluate(load_config(steps=2, **FAST), tmp_path)
+    assert Checkpoints(as_path(tmp_path), 3, create=False).latest_step() is None
 
 
 def disk_full_after(saves: int, monkeypatch, calls: dict):

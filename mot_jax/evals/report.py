@@ -5,12 +5,12 @@ expert), written all or nothing."""
 from __future__ import annotations
 
 import copy
-import json
 
 from etils import epath
 
 from mot_jax import outputs
 from mot_jax.evals.methods import SHUFFLED
+from mot_jax.files import strict_json
 
 MIB = 2**20
 TOOL = "mot_jax.evaluate"  # the writer its report folders name (mot_jax.outputs)
@@ -390,6 +390,6 @@ def write(out, results: dict) -> None:
     clean, rows = split_predictions(results)
     with outputs.written_folder(out, TOOL) as partial:
         clean["plots"] = plots(clean, partial)
-        (partial / "results.json").write_text(json.dumps(clean, indent=2))
+        (partial / "results.json").write_text(strict_json(clean, indent=2))
         (partial / "results.md").write_text(markdown(clean))
-        (partial / "predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (partial / "predictions.jsonl").write_text("".join(strict_json(r) + "\n" for r in rows))

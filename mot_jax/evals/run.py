@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import json
 import os
 import platform
 import tempfile
@@ -49,7 +48,7 @@ from mot_jax.evals.methods import (
 )
 from mot_jax.evals.prompts import CHAT_SETTINGS, Settings, chat_turns, context_cuts, is_closed, target_chat
 from mot_jax.evals.tasks import add_paired_controls, add_retention, evaluate_agents, evaluate_examples
-from mot_jax.files import atomic_file
+from mot_jax.files import atomic_file, strict_json
 from mot_jax.models.model_pair import load_pair
 from mot_jax.paths import as_path
 from mot_jax.progress import Progress
@@ -210,7 +209,7 @@ class Partial:
             rows = [
                 dict(task=task, budget=budget, method=method, index=start + i) | p for i, p in enumerate(predictions)
             ]
-            self._write(lambda: self._append("".join(json.dumps(r) + "\n" for r in rows)))
+            self._write(lambda: self._append("".join(strict_json(r) + "\n" for r in rows)))
 
         return record
 
@@ -223,7 +222,7 @@ class Partial:
 
         def write():
             with atomic_file(self.folder / "results.json") as path:
-                path.write_text(json.dumps(clean, indent=2))
+                path.write_text(strict_json(clean, indent=2))
 
         self._write(write)
 
@@ -258,8 +257,8 @@ def keep_elsewhere(results: dict) -> str:
     try:
         folder = Path(tempfile.mkdtemp(prefix="mot_jax_eval_"))
         clean, rows = report.split_predictions(results)
-        (folder / "results.json").write_text(json.dumps(clean, indent=2))
-        (folder / "predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (folder / "results.json").write_text(strict_json(clean, indent=2))
+        (folder / "predictions.jsonl").write_text("".join(strict_json(r) + "\n" for r in rows))
     except OSError as e:
         raise MotJaxError(f"Could not keep the results anywhere ({cause(e)}); free space and rerun.") from None
     return str(folder)

@@ -10,6 +10,7 @@ import ml_collections
 from absl import logging
 from etils import epath
 
+from mot_jax.files import strict_json
 from mot_jax.models.model_pair import ModelPair
 from mot_jax.training.setup import translation
 from mot_jax.training.trainer import Trainer, fit
@@ -47,7 +48,7 @@ def search_channels(config, pair: ModelPair, datasets, mesh, workdir: epath.Path
     )
     if jax.process_index() == 0:
         record = dict(scores=results, chosen=json.loads(chosen.to_json()), steps_per_window=steps)
-        (workdir / "channel_search.json").write_text(json.dumps(record, indent=2))
+        (workdir / "channel_search.json").write_text(strict_json(record, indent=2))
     return chosen
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from mot_jax.errors import MotJaxError, cause
@@ -31,6 +32,18 @@ def _manager(path, keep: int, create: bool) -> ocp.CheckpointManager:
     return ocp.CheckpointManager(path, options=options)
 
 
+@jax.jit
+def _all_finite(state):
+    floats = [x for x in jax.tree.leaves(state) if jnp.issubdtype(x.dtype, jnp.floating)]
+    return jnp.all(jnp.stack([jnp.isfinite(x).all() for x in floats]))
+
+
+def all_finite(state) -> bool:
+    """Whether every float array of `state` (params, optimizer moments) is finite: a finite loss does not say so
+    (moments that overflowed leave the parameters and the loss finite, and the next update NaN)."""
+    return bool(_all_finite(state))
+
+
 class Checkpoints:
     def __init__(self, workdir, keep: int, create: bool = True):
         """`create=False` opens an existing run read-only (no folders are made)."""
@@ -42,6 +55,9 @@ class Checkpoints:
         return self.last.latest_step()
 
     def save(self, step: int, state, meta: dict, best: bool = False):
+        """Save `state` at `step` (in the background); a state that is not finite is never saved (MotJaxError)."""
+        if not all_finite(state):
+            raise MotJaxError(f"The state of step {step} holds NaN or inf; it was not saved in {self.workdir}.")
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
         with self._saving():
             self.last.save(step, args=args, force=True)

@@ -3,7 +3,7 @@
 It sets up the pair, data, mesh and translator (`setup`), picks the channel map (`channel_search`), trains with the
 jitted steps of a `trainer.Trainer` and reports (`report`). The run resumes from the workdir's latest checkpoint, holds
 a lock on the workdir for its whole life, stops on a non-finite loss or state, a failed save, Ctrl-C or SIGTERM in one
-line (keeping the last good checkpoint: a checkpoint is only saved once a forward on it gave a finite loss; Ctrl-C and
+line (keeping the last good checkpoint: a checkpoint is only saved with every array finite and a finite loss; Ctrl-C and
 SIGTERM stop after the step in flight and first checkpoint the steps done since the last one), and ends with a short
 held-out comparison of the translated cache against no context, the native context and the translation from a
 shuffled source, on plain held-out chunks and on the same chunks made retrieval rows.
@@ -27,13 +27,14 @@ from jax.experimental import multihost_utils
 
 from mot_jax import multihost
 from mot_jax.errors import Interrupted, MotJaxError, Terminated, cause
+from mot_jax.files import strict_json
 from mot_jax.locks import file_lock
 from mot_jax.models.model_pair import ModelPair, load_pair
 from mot_jax.paths import as_path, cache_root
 from mot_jax.training import config as config_lib
 from mot_jax.training import data
 from mot_jax.training.channel_search import resolve_channels
-from mot_jax.training.checkpoint import Checkpoints
+from mot_jax.training.checkpoint import Checkpoints, all_finite
 from mot_jax.training.features import attach_features
 from mot_jax.training.report import Logger, closing_report
 from mot_jax.training.setup import (
@@ -126,9 +127,9 @@ class StopRequests:
 
 
 def savable(trainer: Trainer, batches) -> bool:
-    """Whether the state of a run that stops early can be checkpointed: it gives a finite loss, and the run is one
-    process (the processes of a run may stop at different steps, and saving is collective)."""
-    return jax.process_count() == 1 and math.isfinite(trainer.evaluate(batches)["loss"])
+    """Whether the state of a run that stops early can be checkpointed: it is finite and gives a finite loss, and the
+    run is one process (the processes of a run may stop at different steps, and saving is collective)."""
+    return jax.process_count() == 1 and all_finite(trainer.state) and math.isfinite(trainer.evaluate(batches)["loss"])
 
 
 def train_and_evaluate(config, workdir) -> dict:
@@ -289,6 +290,6 @@ def train_in(workdir, config, mesh, pair: ModelPair, datasets: Datasets, checkpo
         channel_map=json.loads(channel_map.to_json()),
     )
     if jax.process_index() == 0:
-        (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
+        (workdir / "summary.json").write_text(strict_json(summary, indent=2))
         print(closing_report(summary, workdir, start))
     return summary
