@@ -3,11 +3,11 @@
 import numpy as np
 import pytest
 
+from mot_jax.aot import KNOWN_CONFIGS
 from mot_jax.models.registry import FAMILIES, build_model, flat_params
 
 GPT2 = dict(model_type="gpt2", vocab_size=50257, n_positions=1024)
 OPT = dict(model_type="opt", vocab_size=50272, max_position_embeddings=2048, activation_function="relu")
-QWEN = dict(model_type="qwen2", vocab_size=151936, rope_theta=1e6, max_position_embeddings=32768)
 QWEN3 = dict(model_type="qwen3", vocab_size=151936, rope_theta=1e6, max_position_embeddings=40960, head_dim=128)
 
 # (name, config.json fields, published parameter count)
@@ -33,33 +33,9 @@ REAL = [
         dict(OPT, num_hidden_layers=24, hidden_size=2048, num_attention_heads=32, ffn_dim=8192),
         1_315_758_080,
     ),
-    (
-        "Qwen2.5-0.5B",
-        dict(
-            QWEN,
-            num_hidden_layers=24,
-            hidden_size=896,
-            num_attention_heads=14,
-            num_key_value_heads=2,
-            intermediate_size=4864,
-            tie_word_embeddings=True,
-        ),
-        494_032_768,
-    ),
-    (
-        "Qwen2.5-7B",
-        dict(
-            QWEN,
-            vocab_size=152064,
-            num_hidden_layers=28,
-            hidden_size=3584,
-            num_attention_heads=28,
-            num_key_value_heads=4,
-            intermediate_size=18944,
-            tie_word_embeddings=False,
-        ),
-        7_615_616_512,
-    ),
+    # the shapes `python -m mot_jax.compile` compiles the paper's Qwen configs in (mot_jax/aot.py)
+    ("Qwen2.5-0.5B", KNOWN_CONFIGS["Qwen/Qwen2.5-0.5B"], 494_032_768),
+    ("Qwen2.5-7B", KNOWN_CONFIGS["Qwen/Qwen2.5-7B"], 7_615_616_512),
     # Qwen3: heads x head_dim 2048 / 4096 / 4096 against hidden 1024 / 2560 / 4096. The counts are transformers'
     # own (Qwen3ForCausalLM of these configs on the meta device, tied embeddings counted once).
     (
