@@ -20,8 +20,8 @@ from mot_jax.evals.methods import Native, NoContext
 from mot_jax.evals.prompts import Settings, decode_answers, prefix_text, suffix_text, token_ids
 from mot_jax.evals.tasks import evaluate_examples, paired
 from mot_jax.models.generation import generate
+from mot_jax.models.model_pair import load_pair
 from mot_jax.training.config import base, tiny
-from mot_jax.training.setup import load_pair
 
 ADD = dict(
     task_id="Test/0",
