@@ -48,6 +48,11 @@ class Mask:
     causal_prefill: bool = struct.field(pytree_node=False, default=False)
     window_choices: tuple = struct.field(pytree_node=False, default=())
 
+    @property
+    def windows(self) -> dict:
+        """The window and its possible values, as the splash functions take them."""
+        return dict(window=self.window, window_choices=self.window_choices)
+
 
 def implementation(q, k, v, mask: Mask, softcap=None, needs_weights=False) -> str:
     """The name (`IMPLEMENTATIONS`) of the implementation `attend` runs for these operands on this backend."""
@@ -56,8 +61,7 @@ def implementation(q, k, v, mask: Mask, softcap=None, needs_weights=False) -> st
     backend = default_backend()
     if backend == "cpu" and kernels.supports(q, k, v, softcap):
         return "cpu_kernel"
-    window = dict(window=mask.window, window_choices=mask.window_choices)
-    if backend == "tpu" and mask.causal_prefill and accelerated.tpu_supports(q, k, v, softcap=softcap, **window):
+    if backend == "tpu" and mask.causal_prefill and accelerated.tpu_supports(q, k, v, softcap=softcap, **mask.windows):
         return "tpu"
     if backend == "gpu" and accelerated.gpu_supports(q, k, v, softcap=softcap):
         return "gpu"
@@ -79,8 +83,7 @@ def attend(q, k, v, mask: Mask, *, scale, softcap=None, on_weights: Callable | N
         reference = functools.partial(attention_reference, softcap=softcap, allowed=None)
         return kernels.attention(q, k, v, *positions, mask.window, scale, softcap=softcap, reference=reference)
     if chosen == "tpu":
-        window = dict(window=mask.window, window_choices=mask.window_choices)
-        return accelerated.tpu_attention(q, k, v, *positions, scale=scale, softcap=softcap, **window)
+        return accelerated.tpu_attention(q, k, v, *positions, scale=scale, softcap=softcap, **mask.windows)
     if chosen == "gpu":
         return accelerated.gpu_attention(q, k, v, *positions, scale=scale, window=mask.window, softcap=softcap)
     return xla_attention(q, k, v, mask, scale=scale, softcap=softcap, on_weights=on_weights)
