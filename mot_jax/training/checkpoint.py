@@ -32,10 +32,13 @@ def _manager(path, keep: int, create: bool) -> ocp.CheckpointManager:
     return ocp.CheckpointManager(path, options=options)
 
 
-@jax.jit
-def _all_finite(state):
+def finite(state):
+    """A traced bool: every float array of `state` is finite (the train step's check, and `all_finite`'s)."""
     floats = [x for x in jax.tree.leaves(state) if jnp.issubdtype(x.dtype, jnp.floating)]
     return jnp.all(jnp.stack([jnp.isfinite(x).all() for x in floats]))
+
+
+_all_finite = jax.jit(finite)
 
 
 def all_finite(state) -> bool:

@@ -28,7 +28,7 @@ from mot_jax.models.hooks import Forward
 from mot_jax.models.model_pair import ModelPair
 from mot_jax.models.registry import resolve_dtype
 from mot_jax.progress import metered
-from mot_jax.training import data, objective
+from mot_jax.training import checkpoint, data, objective
 from mot_jax.training.optim import adamw
 from mot_jax.translate import kinds
 from mot_jax.translate.donors import donor_indices, regrid
@@ -111,8 +111,7 @@ class Trainer:
         metrics = jax.tree.map(jnp.mean, metrics) | dict(grad_norm=optax.global_norm(grads))
         updates, opt_state = self.tx.update(grads, state["opt_state"], state["params"])
         state = dict(state, params=optax.apply_updates(state["params"], updates), opt_state=opt_state)
-        floats = [x for x in jax.tree.leaves(state) if jnp.issubdtype(x.dtype, jnp.floating)]
-        return state, metrics | dict(state_finite=jnp.all(jnp.stack([jnp.isfinite(x).all() for x in floats])))
+        return state, metrics | dict(state_finite=checkpoint.finite(state))
 
     def _eval_step(self, params, llm_states, batch):
         return self._loss(params, llm_states, batch, prompt=True)(params)[1]  # the CE too, whatever the loss
