@@ -30,6 +30,13 @@ carry no context (F1 0.049 on 256 extractive examples, level with its shuffled s
 docs/results/2026-12-05-qwen-kvp.md), nor beyond its source-free twin's (`--config.translator.inputs=embeddings`:
 0.043; docs/results/2026-12-06-qwen-code-reading.md).
 
+`:self` trains the self-prediction recipe (`kind=self_prediction`, SwiftKV's SingleInputKV with self-distillation,
+arXiv 2410.03960): no 0.5B; the 1.5B's own bottom 14 layers over the context, a least-squares-started linear map of
+its layer-14 state per upper layer writes that layer's input for its own K/V projections, and the upper layers' query
+projections get a trained rank-16 change; the loss is the KL at temperature 2 to the native 1.5B plus the final hidden
+states' error. `:adapt` gives the source-fed dial the same receiver adaptation and loss (does the 0.5B add anything
+once the receiver is adapted?). Neither is measured yet.
+
 `:questions` (with either) trains on question-shaped rows as well (issue 41's lever, after Cartridges): of each batch a
 quarter retrieval rows, a quarter span rows (a request quoting the passage, the next words as the answer), a quarter
 fact rows (records of invented ships, a request for one field), a quarter plain continuation
@@ -52,7 +59,7 @@ from mot_jax.errors import MotJaxError
 from mot_jax.training.config import base, dial, gpu_step, tiny
 from mot_jax.translate import kinds
 
-CHOICES = ("reverse", "kvp", "questions", "tiny", "gpu1", "gpu8")
+CHOICES = ("reverse", "kvp", "self", "adapt", "questions", "tiny", "gpu1", "gpu8")
 # batch_size, grad_accum, data.total_tokens of a step that fills one 80 GB GPU or eight (configs/README.md)
 GPU_STEPS = {"gpu1": (8, 4, 2048), "gpu8": (64, 1, 2048)}
 SMALL, BIG = "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"
@@ -72,9 +79,19 @@ def get_config(arg=None):
     c.optim.learning_rate = 1e-4
     if "kvp" in parts:  # the KV-Prediction recipe: no exact layers, the source's K/V alone, CE + per-layer L1
         kinds.apply_recipe(c, "kv_prediction")
+    if "self" in parts:  # SwiftKV's recipe: the 1.5B predicts its top half's K/V from its own layer-14 state
+        kinds.apply_recipe(c, "self_prediction")
+        c.translator.native_bottom = 14
+    if "adapt" in parts:  # the dial with the self-prediction recipe's receiver adaptation and self-distillation
+        adaptation = kinds.get("self_prediction").recipe
+        for key in ("translator.receiver_rank", *(k for k in adaptation if k.startswith("loss."))):
+            block, leaf = key.split(".")
+            c[block][leaf] = adaptation[key]
     if "questions" in parts:
         c.data.update(copy_fraction=0.25, question_fraction=0.25, fact_fraction=0.25)
         c.loss.distill_weight = 1.0
+    if ("self" in parts or "adapt" in parts) and "kvp" in parts:
+        raise MotJaxError(f"Config argument {arg!r} names two recipes; pass at most one of kvp, self, adapt.")
     for arg in set(parts) & set(GPU_STEPS):
         gpu_step(c, arg, *GPU_STEPS[arg])
     if "tiny" in parts:

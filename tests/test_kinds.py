@@ -1,5 +1,6 @@
 """Every registered translator kind (`mot_jax/translate/kinds/`) through the same checks: it builds and translates a
-tiny batch into a cache of the target's shapes that depends on the source; it trains, checkpoints, resumes and
+tiny batch into a cache of the target's shapes that depends on the source (on nothing else where the kind reads no
+source); it trains, checkpoints, resumes and
 evaluates; and it exports to PyTorch through its declarations (`Kind.torch`, `torch_call`) unless it states why not
 (`Kind.no_export`). A new kind gets these tests by being registered; `throwaway`, a kind this module registers for its
 tests alone, shows that nothing outside a kind's own file needs an edit (docs/architecture.md, "Adding a kind"), and
@@ -109,11 +110,12 @@ def test_builds_and_translates_a_tiny_batch_into_the_targets_cache_from_the_sour
     t = pair.target.config
     assert cache.k.shape == cache.v.shape == (lt, 3, t.num_kv_heads, capacity, t.head_dim)
     assert np.isfinite(np.asarray(cache.k)).all() and np.isfinite(np.asarray(cache.v)).all()
-    # another row's source (same length) changes what the translator writes
+    # another row's source (same length) changes what the translator writes, unless the kind reads no source
+    # (self-prediction: the target's own state alone)
     rolled = cache_from(jnp.roll(batch.source_ids, 1, 0), jnp.roll(batch.source_mask, 1, 0))
     written = list(spec.target_layers)
-    assert not np.allclose(np.asarray(cache.k)[written], np.asarray(rolled.k)[written])
-    assert method_name(config).startswith(kind.name_of(config.translator))
+    assert np.allclose(np.asarray(cache.k)[written], np.asarray(rolled.k)[written]) != spec.reads_source
+    assert kind.name_of(config.translator) in method_name(config)  # after "source-free " where it reads none
 
 
 @pytest.mark.slow

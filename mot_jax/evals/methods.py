@@ -111,6 +111,11 @@ class Method:
         """(models, settings) this method answers with: `models.target` reads its cache and answers."""
         return models, settings
 
+    @property
+    def answerer(self):
+        """Which model answers (`reader`): methods with the same answer in one batch."""
+        return "source" if self.swaps else "target"
+
     def prepare(self, models) -> None:
         """Once, after the models load and before any example (kvcomm checks the pair and calibrates here)."""
 
@@ -206,6 +211,19 @@ class Translated(Method):
     def __init__(self, name: str, translator, workdir: str, step: int):
         self.name, self.translator, self.workdir, self.step = name, translator, workdir, step
         self.load = {}  # "key" / "value" (mot_h: "hidden") -> tokens routed to each expert, summed over the evaluation
+
+    @property
+    def answerer(self):
+        return ("adapted", id(self.translator)) if self.translator.cfg.receiver_rank else "target"
+
+    def reader(self, models, settings):
+        """The target answers, through the query projections its translator adapted when it did
+        (`translate/receiver.py`; made once per target)."""
+        if not self.translator.cfg.receiver_rank:
+            return models, settings
+        if getattr(self, "adapted", (None,))[0] is not models.target:
+            self.adapted = (models.target, self.translator.receiver(models.target))
+        return dataclasses.replace(models, target=self.adapted[1]), settings
 
     def read_source(self, models, contexts, watch) -> SourceRead:
         """The source's side of a batch, the source having read the contexts' text (no source runs for the
@@ -312,6 +330,13 @@ class ShuffledSource(Method):
 
     def __init__(self, method: Translated):
         self.method, self.name = method, f"{method.name}{SHUFFLED}"
+
+    @property
+    def answerer(self):
+        return self.method.answerer
+
+    def reader(self, models, settings):
+        return self.method.reader(models, settings)
 
     def build(self, models, contexts, capacity, watch):
         if contexts.donors is None:

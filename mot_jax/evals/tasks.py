@@ -77,12 +77,15 @@ def evaluate_examples(models, methods, examples, settings: Settings, progress=No
     """Scores of every method on the examples (extractive or closed-set): {method: {metric: value}, ...} plus
     per-example predictions under "predictions". `progress(done, total)` counts answers (a method's on one example)
     after each batch of every method, so a slow batch of many methods still shows; `record(method name, first example
-    index, predictions)` takes each batch's predictions (partial results). Methods that answer with the source
-    (`SourceAlone`) answer with the pair swapped, batch by batch beside the others: a stopped run's partial results
-    hold every row on the same examples."""
-    passes = [group for group in ([m for m in methods if not m.swaps], [m for m in methods if m.swaps]) if group]
+    index, predictions)` takes each batch's predictions (partial results). Methods that answer with another model
+    (`SourceAlone`: the pair swapped; a translator that adapted the target's queries: the adapted target) answer in
+    their own batches, batch by batch beside the others: a stopped run's partial results hold every row on the same
+    examples."""
+    passes = {}  # the methods that answer with one model (`Method.answerer`) answer in one batch
+    for method in methods:
+        passes.setdefault(method.answerer, []).append(method)
     rows, streams = {}, []
-    for group in passes:
+    for group in passes.values():
         reader, reader_settings = group[0].reader(models, settings)
         streams.append(answer_batches(reader, group, examples, reader_settings, rows, record))
     for _ in itertools.zip_longest(*streams):  # the passes batch the examples alike: one batch of each at a time

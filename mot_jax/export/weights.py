@@ -55,7 +55,8 @@ def translator_tensors(translator, source=None, target=None) -> dict[str, np.nda
 def translator_config(translator, source, target) -> dict:
     """JSON-serialisable: the TranslatorConfig and TranslationSpec fields and the two models' cache shapes. Refuses,
     in one line, what the PyTorch side cannot serve: a kind that says it has no export (`Kind.no_export`), a
-    translator with nothing to translate (native_bottom = the target's layers), and layer-input outputs
+    translator with nothing to translate (native_bottom = the target's layers), one that adapted the target's queries
+    (`receiver_rank`), and layer-input outputs
     (outputs='hidden') for a target other than a rotary decoder."""
     spec = translator.spec
     why = kinds.get(translator.cfg.kind).no_export
@@ -68,6 +69,12 @@ def translator_config(translator, source, target) -> dict:
         raise MotJaxError(
             f"native_bottom={spec.native_bottom} is every target layer: nothing is translated, so there is nothing "
             "to export; serve the target reading its context itself (native)."
+        )
+    if translator.cfg.receiver_rank:
+        raise MotJaxError(
+            "This translator adapted the target's query projections (receiver_rank="
+            f"{translator.cfg.receiver_rank}), which the PyTorch export does not carry yet; evaluate it in JAX "
+            "(python -m mot_jax.evaluate)."
         )
     target_cfg = _config(target)
     if spec.kv_from_hidden and not target_cfg.rotary:

@@ -81,6 +81,9 @@ def base() -> ml_collections.ConfigDict:
     # what it writes per layer: kv (the K/V, paper) | hidden (ours: layer inputs that the target's own frozen norm,
     # K/V projections, k-norm and RoPE turn into its K/V)
     c.translator.outputs = "kv"
+    # ours: the rank of a trained change to the target's query projections in the layers the translator writes, so
+    # that the target learns to read the translation (translate/receiver.py); 0: the target stays frozen
+    c.translator.receiver_rank = 0
     c.translator.skip_fit_batches = 8
     c.translator.skip_ridge = 1e-3  # the fit's ridge, times the mean input variance (more: less fit to few batches)
     # the last N of the fit batches held out to choose each layer's ridge from skip_ridge x 1, 10, ..., 1e4 by the
@@ -95,6 +98,10 @@ def base() -> ml_collections.ConfigDict:
     c.loss.ce_weight = 1.0  # the prompt CE; 0 with no distill: a KV-space objective, no forward over the prompt
     c.loss.correction_weight = 1.0  # lambda on MSE(K) + MSE(V) against the native prefill
     c.loss.distill_weight = 0.0  # ours: mu on KL(native || translated) over the prompt's next tokens
+    c.loss.distill_temperature = 1.0  # the KL's softmax temperature T (SwiftKV: 2), the term scaled by T^2
+    # ours: on the final-normed hidden states over the prompt after the translated cache against after the native one,
+    # their squared error over the native ones' squared norm (SwiftKV's hidden-state MSE)
+    c.loss.hidden_weight = 0.0
     c.loss.attention_weight = 0.0  # ours: nu on each written layer's attention-output error under native queries
     c.loss.load_balance_weight = 0.01
     c.loss.z_loss_weight = 0.001
@@ -238,6 +245,15 @@ def check(c: ml_collections.ConfigDict):
             raise MotJaxError(
                 f"{key}={value!r} must be a finite number of at least 0; pass --config.{key}=W with W >= 0."
             )
+    if c.loss.get("distill_temperature", 1.0) <= 0:
+        raise MotJaxError(
+            f"loss.distill_temperature={c.loss.distill_temperature!r} must be above 0; pass 1 (plain KL) or 2."
+        )
+    if c.translator.get("receiver_rank") and not (c.loss.get("ce_weight", 1.0) or c.loss.distill_weight):
+        raise MotJaxError(
+            "translator.receiver_rank trains the target's queries on the prompt read after the translation, but "
+            "loss.ce_weight and loss.distill_weight are both 0; set one of them above 0 or receiver_rank=0."
+        )
     # another kind's field set away from its default would change nothing
     kinds.check_foreign_fields(c.translator.kind, {k: c.translator[k] for k in kinds.fields() if k in c.translator})
     held_out, fit_batches = c.translator.skip_ridge_held_out, c.translator.skip_fit_batches

@@ -11,8 +11,11 @@ target's forward over the prompt is skipped (validation still reports the CE): w
 (`features.py`) needs, whose translator-independent inputs are then read from disk instead of computed.
 
 Ours, off by default (`loss.distill_weight`): + mu * KL(native || translated), the target's next-token distributions
-over the prompt after its native cache against after the translated one (SwiftKV's distillation objective). CE
-rewards the labels alone; the KL asks for the whole distribution the native context gives, at every prompt position.
+over the prompt after its native cache against after the translated one (SwiftKV's distillation objective), at the
+labelled positions, softened by `loss.distill_temperature` T and scaled by T^2. CE rewards the labels alone; the KL
+asks for the whole distribution the native context gives. `loss.hidden_weight`: + the relative squared error of the
+final-normed hidden states there (SwiftKV's hidden-state MSE). With `translator.receiver_rank` the translated side
+reads through the target's adapted queries (`translate/receiver.py`); the native side is the target itself.
 
 Ours, off by default (`loss.attention_weight`): + nu * the attention-output error (issue 17), averaged over the layers
 the translator writes (those of the MSEs):
@@ -69,11 +72,12 @@ class LossWeights:
     distill: float = 0.0
     attention: float = 0.0
     ce: float = 1.0
+    temperature: float = 1.0  # the KL's
+    hidden: float = 0.0
 
     @classmethod
     def from_config(cls, loss) -> LossWeights:
-        """From a config's `loss` block (configs saved before `distill_weight` / `attention_weight` / `ce_weight`
-        have none)."""
+        """From a config's `loss` block (configs saved before the later terms have none of them)."""
         return cls(
             loss.correction_weight,
             loss.load_balance_weight,
@@ -81,12 +85,19 @@ class LossWeights:
             loss.get("distill_weight", 0.0),
             loss.get("attention_weight", 0.0),
             loss.get("ce_weight", 1.0),
+            loss.get("distill_temperature", 1.0),
+            loss.get("hidden_weight", 0.0),
         )
 
     @property
     def reads_prompt(self) -> bool:
-        """Whether the loss needs the target's forward over the prompt after the translated cache (CE or KL)."""
-        return bool(self.ce or self.distill)
+        """Whether the loss needs the target's forward over the prompt after the translated cache (CE, KL, hidden)."""
+        return bool(self.ce or self.distill or self.hidden)
+
+    @property
+    def needs_teacher(self) -> bool:
+        """Whether the loss needs the target's forward over the prompt after its native cache (KL, hidden)."""
+        return bool(self.distill or self.hidden)
 
 
 @struct.dataclass
@@ -184,12 +195,22 @@ def token_cross_entropy(logits, labels, mask):
     return jnp.sum(nll * mask) / jnp.maximum(jnp.sum(mask), 1)
 
 
-def distillation_kl(logits, teacher_logits, mask):
-    """Mean over valid positions of KL(teacher || student) between next-token distributions, in fp32."""
-    teacher = jax.nn.log_softmax(teacher_logits.astype(jnp.float32), axis=-1)
-    student = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+def distillation_kl(logits, teacher_logits, mask, temperature=1.0):
+    """Mean over valid positions of KL(teacher || student) between next-token distributions softened by
+    `temperature` T (logits / T), times T^2 (so that its gradients keep their scale as T changes), in fp32."""
+    teacher = jax.nn.log_softmax(teacher_logits.astype(jnp.float32) / temperature, axis=-1)
+    student = jax.nn.log_softmax(logits.astype(jnp.float32) / temperature, axis=-1)
     kl = jnp.sum(jnp.exp(teacher) * (teacher - student), axis=-1)
-    return jnp.sum(kl * mask) / jnp.maximum(jnp.sum(mask), 1)
+    return temperature**2 * jnp.sum(kl * mask) / jnp.maximum(jnp.sum(mask), 1)
+
+
+def hidden_error(hidden, teacher_hidden, mask):
+    """The squared error of hidden states [B, T, D] against the teacher's, summed over valid positions, over the
+    teacher's squared norm there: relative, 1 for all-zero states (fp32)."""
+    weight = mask[..., None].astype(jnp.float32)
+    want = teacher_hidden.astype(jnp.float32)
+    error = jnp.sum(jnp.square(hidden.astype(jnp.float32) - want) * weight)
+    return error / jnp.maximum(jnp.sum(jnp.square(want) * weight), 1e-12)
 
 
 def prompt_cross_entropy(target, cache, batch):
@@ -247,15 +268,21 @@ def context_correction(
         metrics["gate"] = gates.mean()
     logits = teacher = None
     if weights.reads_prompt or prompt or kind.teacher:  # else a KV-space objective: no forward over the prompt
-        logits, _ = target(batch.prompt, cache=cache)
+        reader = translator.receiver(target)  # the target, adapted to read translations where the translator says so
+        hidden, _ = reader.hidden_states(batch.prompt, cache=cache)
+        logits = reader.unembed(hidden)
         metrics["ce"] = token_cross_entropy(logits, batch.labels, batch.label_mask)
         loss = loss + weights.ce * metrics["ce"]
-    if weights.distill or kind.teacher:  # one more target forward over the prompt, after the native cache
-        teacher, _ = target(batch.prompt, cache=native.with_capacity(capacity))
-        teacher = jax.lax.stop_gradient(teacher)  # no gradient reaches it
+    if weights.needs_teacher or kind.teacher:  # one more target forward over the prompt, after the native cache
+        teacher_hidden, _ = target.hidden_states(batch.prompt, cache=native.with_capacity(capacity))
+        teacher_hidden = jax.lax.stop_gradient(teacher_hidden)  # no gradient reaches it
+        teacher = target.unembed(teacher_hidden)
     if weights.distill:
-        metrics["kl"] = distillation_kl(logits, teacher, batch.label_mask)
+        metrics["kl"] = distillation_kl(logits, teacher, batch.label_mask, weights.temperature)
         loss = loss + weights.distill * metrics["kl"]
+    if weights.hidden:
+        metrics["hidden"] = hidden_error(hidden, teacher_hidden, batch.label_mask)
+        loss = loss + weights.hidden * metrics["hidden"]
     if kind.extra_loss:
         extra, terms = kind.extra_loss(
             cfg=translator.cfg,

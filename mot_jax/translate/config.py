@@ -35,6 +35,11 @@ class TranslatorConfig:
     dispatch: str = "sparse"  # "sparse" (only routed tokens' queries) | "dense" (every expert on every token)
     capacity_factor: float = 1.25  # sparse: the first slot count per expert and row, ceil(factor * k * T / N)
     linear_skip: bool = False  # ours: a linear map per window layer beside the translator, fitted by least squares
+    # ours: the rank of the trained change to the target's query projections in the written layers (0: the target
+    # stays frozen; `receiver.py`), and the target's widths it needs (set from the target, `mixture_config`)
+    receiver_rank: int = 0
+    receiver_width: int = 0
+    receiver_query_width: int = 0
     options: tuple = ()  # the kind's own fields, sorted (name, value) pairs, each read as an attribute
 
     def __init__(self, source_width, target_width, window, options=(), **own):

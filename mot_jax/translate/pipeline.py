@@ -136,7 +136,10 @@ class CacheTranslator:
 
     ct = CacheTranslator(source, target, source_tokenizer, target_tokenizer, translator)
     cache, ids, mask = ct.from_text(["passage one ...", "passage two ..."], capacity=T + suffix)
-    logits, cache = target(suffix_ids, suffix_mask, cache=cache)
+    logits, cache = ct.reader(suffix_ids, suffix_mask, cache=cache)
+
+    `reader` is the target as it reads after the translated cache: the target itself, or for a translator trained
+    with `receiver_rank` the target with its adapted query projections (`mot_jax.translate.receiver`).
 
     `recompute`: the share of context tokens whose K/V the target recomputes above a dial translator's exact bottom
     (`mot_jax.translate.recompute`; 0: none).
@@ -149,6 +152,7 @@ class CacheTranslator:
             check_share(translator, recompute, "the context")
         self.source, self.target, self.translator, self.recompute = source, target, translator, recompute
         self.source_tokenizer, self.target_tokenizer = source_tokenizer, target_tokenizer
+        self.reader = translator.receiver(target)
 
     def from_text(self, texts, capacity=None):
         """(target cache, target ids [B, T], target mask [B, T]) for a batch of context texts."""

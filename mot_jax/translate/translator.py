@@ -42,7 +42,7 @@ from mot_jax.errors import MotJaxError
 from mot_jax.models.base import CausalLM, first_valid_index, positions_from_mask
 from mot_jax.models.hooks import Forward, LayerInputs
 from mot_jax.models.layers import einsum, param
-from mot_jax.translate import kinds
+from mot_jax.translate import kinds, receiver
 from mot_jax.translate.config import TranslatorConfig
 from mot_jax.translate.hooks import InjectKV, SparseKeys, TopKeys
 from mot_jax.translate.spec import TranslationSpec
@@ -53,6 +53,9 @@ def mixture_config(spec: TranslationSpec, source: CausalLM, target: CausalLM, **
     """The config of a translator for `spec` between the two models: its widths from what it reads and writes (the
     kind's declarations, `spec.written`), `kwargs` its other fields (`kinds.translator_config`)."""
     target_features = sum(i != "source" for i in spec.inputs) * target.config.hidden_size
+    receiver.check(target, kwargs.get("receiver_rank", 0))
+    if kwargs.get("receiver_rank"):
+        kwargs |= receiver.widths(target)
     return kinds.translator_config(
         source_width=spec.source_reads.width(source) * spec.reads_source + target_features,
         target_width=spec.written.width(target),
@@ -82,8 +85,8 @@ class LinearSkip(nnx.Module):
 
 class KVTranslator(nnx.Module):
     """The modules its kind builds (`Kind.build`: for the window path, a K and a V module, `key` and `value`, each
-    [B, T, W, ds] -> [B, T, W, dt]) and, with `cfg.linear_skip`, a linear map beside each whose output is added to
-    theirs."""
+    [B, T, W, ds] -> [B, T, W, dt]); with `cfg.linear_skip`, a linear map beside each whose output is added to
+    theirs; with `cfg.receiver_rank`, the change to the target's queries it reads with (`receiver`)."""
 
     def __init__(self, spec: TranslationSpec, cfg: TranslatorConfig, *, rngs, dtype=jnp.float32):
         kinds.check(spec, cfg)
@@ -96,6 +99,20 @@ class KVTranslator(nnx.Module):
             setattr(self, name, module)
         if cfg.linear_skip:
             self.key_skip, self.value_skip = LinearSkip(cfg, dtype=dtype), LinearSkip(cfg, dtype=dtype)
+        if cfg.receiver_rank:
+            self.receiver_queries = receiver.ReceiverQueries(
+                spec.target_layers,
+                cfg.receiver_width,
+                cfg.receiver_query_width,
+                cfg.receiver_rank,
+                rngs=rngs,
+                dtype=dtype,
+            )
+
+    def receiver(self, target: CausalLM) -> CausalLM:
+        """The target as it reads after this translator's cache: itself, or with `cfg.receiver_rank`, adapted
+        (`receiver.adapted`)."""
+        return receiver.adapted(target, getattr(self, "receiver_queries", None))
 
     def __call__(self, k, v, mask, shared=None):
         """Aligned source window vectors k, v [B, T, W, ds] and the inputs all window layers share [B, T, F] (or None)
