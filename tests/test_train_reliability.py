@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +28,7 @@ from mot_jax.locks import file_lock
 from mot_jax.paths import as_path
 from mot_jax.training import loop, optim
 from mot_jax.training.checkpoint import Checkpoints
+from mot_jax.training.report import Logger
 
 FAST = {"translator.channels.mode": "terminal"}  # no channel search: one trainer per run
 
@@ -231,6 +233,64 @@ def test_a_failed_background_save_is_one_error_naming_the_last_checkpoint(tmp_pa
     with pytest.raises(MotJaxError, match=DISK_FULL):
         checkpoints.close()
     assert Checkpoints(as_path(tmp_path), 3).latest_step() == 1
+
+
+def tensorboard_scalars(folder) -> list:
+    """(tag, step, value) of every scalar in the event files under `folder`, read record by record (length, its CRC,
+    the Event proto, its CRC) with tensorboardX's proto alone."""
+    from tensorboardX.proto.event_pb2 import Event
+
+    found = []
+    for path in sorted(folder.glob("events.out.tfevents.*")):
+        data, at = path.read_bytes(), 0
+        while at < len(data):
+            length = int.from_bytes(data[at : at + 8], "little")
+            event = Event.FromString(data[at + 12 : at + 12 + length])
+            at += 12 + length + 4
+            found += [(v.tag, event.step, v.simple_value) for v in event.summary.value]
+    return found
+
+
+def test_tensorboard_curves_are_written_and_a_failing_disk_stops_them_with_one_warning(tmp_path, monkeypatch, caplog):
+    from tensorboardX import record_writer
+
+    logger = Logger(as_path(tmp_path), total=9, start=0, tokens_per_step=8, log_every=2)
+    for step in (1, 2):
+        logger.scalars(step, dict(loss=10.0 / step), "train")
+    logger.scalars(2, dict(loss=4.5), "validation")
+    assert tensorboard_scalars(tmp_path / "tensorboard") == [
+        ("train/loss", 1, 10.0),
+        ("train/loss", 2, 5.0),
+        ("validation/loss", 2, 4.5),
+    ]
+    write = record_writer.RecordWriter.write
+    monkeypatch.setattr(record_writer.RecordWriter, "write", lambda *a: os_error(errno.ENOSPC))
+    threads = threading.active_count()
+    for step in (3, 4):
+        logger.scalars(step, dict(loss=1.0), "train")
+    logger.close()
+    monkeypatch.setattr(record_writer.RecordWriter, "write", write)
+    stopped = [r.getMessage() for r in caplog.records if "TensorBoard" in r.getMessage()]
+    assert stopped == [
+        "TensorBoard curves stopped at step 3 ([Errno 28] No space left on device); the run goes on without them."
+    ]
+    assert threading.active_count() == threads  # nothing left writing in the background
+
+
+def os_error(number):
+    raise OSError(number, os.strerror(number))
+
+
+def test_a_failed_save_of_the_last_and_the_best_checkpoint_is_one_line_error(tmp_path, monkeypatch):
+    """Both managers' background saves fail (a step that is also the best so far): closing says so in one line, and
+    Orbax raising a save's OSError again as its threads stop stays silent (it used to replace the error)."""
+    disk_full_after(2, monkeypatch, {})
+    checkpoints = Checkpoints(as_path(tmp_path), 3)
+    state = dict(w=jnp.ones(3))
+    checkpoints.save(1, state, dict(step=1), best=True)
+    checkpoints.save(2, state, dict(step=2), best=True)  # both fail in the background
+    with pytest.raises(MotJaxError, match=DISK_FULL):
+        checkpoints.close()
 
 
 @pytest.mark.slow

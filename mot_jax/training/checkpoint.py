@@ -129,5 +129,8 @@ class Checkpoints:
                 self.last.wait_until_finished()
                 self.best.wait_until_finished()
         finally:
-            self.last.close()
-            self.best.close()
+            for manager in (self.last, self.best):
+                try:
+                    manager.close()
+                except Exception:  # a failed save, raised again as Orbax stops: `_saving` has said it in one line
+                    pass

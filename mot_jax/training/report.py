@@ -14,9 +14,57 @@ from etils import epath
 from mot_jax.outputs import markdown_table
 
 
+class Events:
+    """TensorBoard scalars in tensorboardX's event file format, written in the caller's thread (tensorboardX's
+    `SummaryWriter` writes from a thread of its own and flushes again at exit, so a full disk printed two tracebacks
+    after the run's own one-line error). A write that fails stops the curves with one warning; the run goes on, and
+    its checkpoints report the disk themselves."""
+
+    def __init__(self, folder: epath.Path):
+        from tensorboardX.event_file_writer import EventsWriter, directory_check
+
+        self.writer = None
+        try:
+            directory_check(str(folder))
+            self.writer = EventsWriter(str(folder / "events"))
+        except OSError as e:
+            self._stop(None, e)
+
+    def scalars(self, step: int, values: dict, prefix: str, flush: bool):
+        if self.writer is None:
+            return
+        from tensorboardX.proto.event_pb2 import Event
+        from tensorboardX.summary import scalar
+
+        try:
+            for k, v in values.items():
+                self.writer.write_event(Event(wall_time=time.time(), step=step, summary=scalar(f"{prefix}/{k}", v)))
+            if flush:
+                self.writer.flush()
+        except OSError as e:
+            self._stop(step, e)
+
+    def close(self):
+        if self.writer is not None:
+            try:
+                self.writer.close()
+            except OSError as e:
+                self._stop(None, e)
+
+    def _stop(self, step, error: OSError):
+        where = "" if step is None else f" at step {step}"
+        logging.warning("TensorBoard curves stopped%s (%s); the run goes on without them.", where, error)
+        writer, self.writer = self.writer, None
+        try:
+            if writer is not None:
+                writer._py_recordio_writer.close()  # the file alone: its buffer cannot be flushed
+        except OSError:
+            pass
+
+
 class Logger:
-    """absl logs (with tokens/s and ETA), TensorBoard event files (tensorboardX, no TensorFlow) and, on a terminal,
-    a progress bar; process 0 only."""
+    """absl logs (with tokens/s and ETA), TensorBoard event files (`Events`) and, on a terminal, a progress bar;
+    process 0 only."""
 
     def __init__(self, workdir: epath.Path, total: int, start: int, tokens_per_step: int, log_every: int):
         self.main = jax.process_index() == 0
@@ -24,18 +72,17 @@ class Logger:
         self.began = time.perf_counter()
         self.writer = self.bar = None
         if self.main:
-            from tensorboardX import SummaryWriter
             from tqdm import tqdm
 
-            self.writer = SummaryWriter(str(workdir / "tensorboard"))
+            self.writer = Events(workdir / "tensorboard")
             self.bar = tqdm(
                 total=total, initial=start, unit="step", dynamic_ncols=True, disable=not sys.stderr.isatty()
             )
 
     def scalars(self, step: int, values: dict, prefix: str):
         if self.main:
-            for k, v in values.items():
-                self.writer.add_scalar(f"{prefix}/{k}", float(v), step)
+            flush = prefix != "train" or step % self.log_every == 0
+            self.writer.scalars(step, {k: float(v) for k, v in values.items()}, prefix, flush)
 
     def step(self, step: int, metrics: dict, seconds: float, learning_rate: float):
         if not self.main:
