@@ -12,10 +12,15 @@
 # Env, with defaults:
 #   PROJECT      Google Cloud project (required)
 #   ZONE         us-central2-b (v4); for v5e e.g. us-west4-a or europe-west4-b
-#   ACCELERATOR  v4-8; e.g. v4-16 (2 hosts), v5litepod-8 (1 host), v5litepod-16 (2 hosts)
-#   RUNTIME      tpu-ubuntu2204-base for v4, v2-alpha-tpuv5-lite for v5litepod
+#   ACCELERATOR  v4-8; e.g. v4-16 (2 hosts), v5litepod-8 (1 host), v5litepod-16 (2 hosts), v5p-8, v6e-8
+#   RUNTIME      by generation: tpu-ubuntu2204-base (v4), v2-alpha-tpuv5-lite (v5litepod), v2-alpha-tpuv5 (v5p),
+#                v2-alpha-tpuv6e (v6e)
 #   TPU_NAME     mot-jax
-#   SPOT         0; 1 creates a Spot TPU (cheaper, can be preempted; rerun `train` to resume)
+#   SPOT         0; 1 creates a Spot TPU (cheaper, can be preempted: the run saves its last step on SIGTERM; rerun
+#                `train` to resume)
+#   QUEUED       0; 1 asks for the slice through a queued resource (named TPU_NAME too): `create` waits until it is
+#                granted (up to QUEUE_HOURS, default 24, polled every 60 s), `delete` deletes the request and its slice.
+#                Large slices and v5p/v6e capacity are usually granted this way only.
 #   REPO         unset: copy this checkout (tracked and untracked, not ignored files); or a git URL to clone (REF)
 #   CONFIG       configs/quickstart.py
 #   WORKDIR      mot_runs/quickstart (under each host's ~/mot_jax); gs://BUCKET/DIR for multi-host slices
@@ -40,14 +45,21 @@ done
 [[ -n $command ]] || die "$usage"
 [[ -n ${PROJECT:-} ]] || die "set PROJECT to your Google Cloud project ($usage)"
 accelerator=${ACCELERATOR:-v4-8}
-default_runtime=tpu-ubuntu2204-base
-[[ $accelerator == v5litepod-* ]] && default_runtime=v2-alpha-tpuv5-lite
+case "$accelerator" in
+  v5litepod-*) default_runtime=v2-alpha-tpuv5-lite ;;
+  v5p-*) default_runtime=v2-alpha-tpuv5 ;;
+  v6e-*) default_runtime=v2-alpha-tpuv6e ;;
+  *) default_runtime=tpu-ubuntu2204-base ;;
+esac
 runtime=${RUNTIME:-$default_runtime}
+queued=${QUEUED:-0}
+[[ $queued == 0 || $queued == 1 ]] || die "QUEUED=$queued: set it to 1 (a queued resource) or 0 (a TPU VM at once)"
 name=${TPU_NAME:-mot-jax}
 config=${CONFIG:-configs/quickstart.py}
 workdir=${WORKDIR:-mot_runs/quickstart}
 where=("--project=$PROJECT" "--zone=${ZONE:-us-central2-b}")
 gcloud_tpu=(gcloud compute tpus tpu-vm)
+gcloud_queued=(gcloud compute tpus queued-resources)
 
 on_all_hosts() {  # one shell command line, run on every host of the slice at once
   run "${gcloud_tpu[@]}" ssh "$name" "${where[@]}" --worker=all --command="$1"
@@ -56,8 +68,31 @@ on_all_hosts() {  # one shell command line, run on every host of the slice at on
 create() {
   local spot=()
   [[ ${SPOT:-0} == 1 ]] && spot=(--spot)
-  run "${gcloud_tpu[@]}" create "$name" "${where[@]}" "--accelerator-type=$accelerator" "--version=$runtime" \
-    "${spot[@]}"
+  if [[ $queued == 0 ]]; then
+    run "${gcloud_tpu[@]}" create "$name" "${where[@]}" "--accelerator-type=$accelerator" "--version=$runtime" \
+      "${spot[@]}"
+    return
+  fi
+  run "${gcloud_queued[@]}" create "$name" "${where[@]}" "--node-id=$name" "--accelerator-type=$accelerator" \
+    "--runtime-version=$runtime" "${spot[@]}"
+  wait_until_granted
+}
+
+wait_until_granted() {  # a queued resource waits for capacity: poll its state until ACTIVE
+  local state describe=("${gcloud_queued[@]}" describe "$name" "${where[@]}" "--format=value(state.state)")
+  if [[ $DRY_RUN == 1 ]]; then
+    run "${describe[@]}"
+    return
+  fi
+  local deadline=$((SECONDS + ${QUEUE_HOURS:-24} * 3600))
+  while state=$("${describe[@]}"); [[ $state != ACTIVE ]]; do
+    case "$state" in
+      FAILED | SUSPENDED) die "the queued resource $name is $state; see: ${describe[*]:0:5} $name" ;;
+    esac
+    ((SECONDS < deadline)) || die "the queued resource $name was not granted in ${QUEUE_HOURS:-24} h (state $state)"
+    echo "queued resource $name: $state; waiting for capacity" >&2
+    sleep 60
+  done
 }
 
 setup() {
@@ -85,7 +120,11 @@ train() {
 }
 
 delete() {
-  run "${gcloud_tpu[@]}" delete "$name" "${where[@]}" --quiet
+  if [[ $queued == 1 ]]; then  # --force: the slice it granted too
+    run "${gcloud_queued[@]}" delete "$name" "${where[@]}" --force --quiet
+  else
+    run "${gcloud_tpu[@]}" delete "$name" "${where[@]}" --quiet
+  fi
 }
 
 case "$command" in

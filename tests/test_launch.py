@@ -68,6 +68,28 @@ def test_tpu_vm_dry_run_creates_sets_up_trains_on_every_host_and_deletes():
     assert "git clone --depth 1 https://example.org/mot_jax.git ~/mot_jax" in clone[0]
 
 
+def test_tpu_vm_queued_resource_waits_for_the_grant_and_deletes_the_request_with_its_slice():
+    env = dict(PROJECT="p", ZONE="us-east5-a", ACCELERATOR="v6e-8", QUEUED="1", SPOT="1")
+    lines = dry_run("launch/tpu_vm.sh", "--dry-run", "all", **env)
+    queued, where = "gcloud compute tpus queued-resources", "--project=p --zone=us-east5-a"
+    assert lines[:2] == [
+        f"{queued} create mot-jax {where} --node-id=mot-jax --accelerator-type=v6e-8 "
+        "--runtime-version=v2-alpha-tpuv6e --spot",
+        f"{queued} describe mot-jax {where} --format='value(state.state)'",
+    ]
+    assert lines[-1] == f"{queued} delete mot-jax {where} --force --quiet"
+    v5p = dry_run("launch/tpu_vm.sh", "--dry-run", "create", PROJECT="p", ACCELERATOR="v5p-8")
+    assert v5p[0].endswith("--accelerator-type=v5p-8 --version=v2-alpha-tpuv5")
+    result = subprocess.run(
+        ["bash", "launch/tpu_vm.sh", "--dry-run", "create"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=os.environ | dict(PROJECT="p", QUEUED="yes"),
+    )
+    assert result.returncode == 2 and result.stderr.startswith("error: QUEUED=yes: set it to 1")
+
+
 def test_tpu_vm_without_project_or_command_says_what_is_missing():
     result = subprocess.run(
         ["bash", "launch/tpu_vm.sh", "--dry-run", "train"],
