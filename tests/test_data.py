@@ -210,6 +210,7 @@ def test_chunk_table_is_cached(tmp_path, target, source, monkeypatch):
     second = TextChunks(docs, target, cache_dir=tmp_path, **kwargs)
     np.testing.assert_array_equal(first.chunks, second.chunks)
     assert second.path == first.path and second.stats == first.stats
+    assert isinstance(second.chunks, np.memmap)  # read from disk as batches take it, not loaded whole
     with pytest.raises(pytest.fail.Exception, match="re-tokenized"):  # a different key is a different table
         TextChunks(docs, target, cache_dir=tmp_path, **(kwargs | dict(source_length=S + 1)))
 
@@ -221,6 +222,26 @@ def test_chunks_of_a_prepared_corpus_live_in_its_data_dir(tmp_path, target):
     chunks = TextChunks(docs, target, **kwargs)
     assert chunks.path.parent == tmp_path / "tfds" / "chunks" and len(chunks) > 10
     np.testing.assert_array_equal(chunks.chunks, TextChunks(list(docs), target, cache_dir=tmp_path, **kwargs))
+
+
+def test_a_document_cap_tokenizes_only_the_first_documents(tmp_path, target, monkeypatch):
+    (tmp_path / "c.jsonl").write_text("\n".join(json.dumps({"text": d}) for d in make_documents(100)))
+    docs = corpus.documents(str(tmp_path / "c.jsonl"), data_dir=tmp_path / "tfds")["train"]
+    kwargs = dict(eos_id=eos(target), total_tokens=T, prefix_tokens=P)
+    assert docs.head(len(docs)) is docs and docs.head(len(docs) + 5) is docs
+    capped = TextChunks(docs.head(30), target, **kwargs)
+    assert capped.stats["documents"] == 30 and capped.path != TextChunks(docs, target, **kwargs).path
+    np.testing.assert_array_equal(capped.chunks, TextChunks(list(docs)[:30], target, cache_dir=tmp_path, **kwargs))
+    read, get = set(), corpus.Documents.__getitem__
+
+    def recorded(self, i):  # the corpus rows a read takes
+        rows = list(range(len(self))[i] if isinstance(i, slice) else [i])
+        read.update(np.asarray(rows if self.indices is None else self.indices[rows]).tolist())
+        return get(self, i)
+
+    monkeypatch.setattr(corpus.Documents, "__getitem__", recorded)
+    TextChunks(docs.head(20), target, cache_dir=tmp_path / "fresh", **kwargs)
+    assert read == set(docs.indices[:20].tolist())  # the first 20 documents, nothing past the cap
 
 
 def test_transformers_tokenizers_give_the_same_chunks_and_batches(tmp_path, target, source):

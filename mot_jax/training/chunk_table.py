@@ -109,11 +109,12 @@ class TextChunks:
                 self._write(documents, target_tokenizer, source_tokenizer if filtered else None, key)
 
     def _read(self) -> bool:
-        """Whether the cached table is complete (both files: each is renamed into place whole), then loaded."""
+        """Whether the cached table is complete (both files: each is renamed into place whole), then loaded: mapped
+        into memory, so a process reads only the chunks its batches take (a table of a large corpus is gigabytes)."""
         stats_path = self.path.with_suffix(".json")
         if not (self.path.is_file() and stats_path.is_file()):
             return False
-        self.chunks, self.stats = np.load(self.path), json.loads(stats_path.read_text())
+        self.chunks, self.stats = np.load(self.path, mmap_mode="r"), json.loads(stats_path.read_text())
         return True
 
     def _write(self, documents, target_tokenizer, source, key):

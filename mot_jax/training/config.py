@@ -37,6 +37,9 @@ def base() -> ml_collections.ConfigDict:
     c.data.question_fraction = 0.0
     c.data.fact_fraction = 0.0
     c.data.train_chunks = 0  # train on the chunk table's first N chunks only (0: all of it)
+    # read and tokenize only each split's first N documents (0: all): a large corpus (OpenWebText's 8M) is otherwise
+    # tokenized whole before its first step
+    c.data.max_documents = 0
     # ours: a KV-space objective (loss.ce_weight=0, no distill) reads the frozen models' outputs per chunk from a
     # cache on disk, computed once, instead of running the frozen forwards every step (training/features.py)
     c.data.feature_cache = False
@@ -212,6 +215,7 @@ COUNTS = {
     "eval_batches": 1,
     "final_eval_batches": 0,
     "data.train_chunks": 0,  # 0: the whole table
+    "data.max_documents": 0,  # 0: every document
     "translator.dim": 1,
     "translator.heads": 1,
     "translator.num_experts": 1,

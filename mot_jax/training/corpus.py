@@ -70,6 +70,14 @@ class Documents(Sequence):
         for start in range(0, len(self), 1024):
             yield from self[start : start + 1024]
 
+    def head(self, count: int) -> Documents:
+        """The first `count` documents (all when there are fewer), read no further: what a chunk table of a large
+        corpus tokenizes under `data.max_documents` (its own fingerprint, so its own cached table)."""
+        if count >= len(self):
+            return self
+        indices = np.arange(count) if self.indices is None else self.indices[:count]
+        return Documents(self.source, f"{self.fingerprint}/first{count}", self.data_dir, indices)
+
 
 def documents(corpus: str = DEFAULT_CORPUS, data_dir=None) -> dict[str, Documents]:
     """{"train", "validation"} documents of `corpus`, prepared into `data_dir` (default: the mot_jax cache) on the

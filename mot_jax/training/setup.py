@@ -40,8 +40,9 @@ def make_datasets(config, pair: ModelPair, rows: slice = slice(None)) -> Dataset
     lengths = dict(source_length=d.source_length, prefix_tokens=d.prefix_tokens)
 
     def chunks(split):
+        texts = documents[split].head(d.max_documents) if d.get("max_documents") else documents[split]
         return chunk_table.TextChunks(
-            documents[split],
+            texts,
             pair.target_tokenizer,
             eos_id=eos[0],
             total_tokens=d.total_tokens,
