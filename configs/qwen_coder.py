@@ -21,12 +21,12 @@ stronger sharer might lift the small target above its own native score. With `:q
 on a 2-core CPU: docs/results/2026-12-05-qwen-reverse.md). `:tiny` (or `:reverse,tiny`) runs either on
 tiny random qwen2 models (`random:qwen2` -> `random:qwen2-large`, one tokenizer) in seconds.
 
-`:kvp` trains the KV-Prediction recipe instead (`kind=kv_prediction`, arXiv 2410.08391; issue 41): the 1.5B reads
+`:kvp` trains the KV-Prediction recipe instead (`kind=kv_prediction`, arXiv 2410.08391): the 1.5B reads
 none of the context; a least-squares-started linear map per 1.5B layer writes its K/V from the 0.5B's (keys
 un-rotated), trained on the 1.5B's prompt CE plus per-layer L1 on K and V, no MSE; the dial's data, steps and rate.
-`:kvp,tiny` runs it on the tiny random pair. With `:questions` on a 2-core CPU: ~40-50 minutes, 17.8 GB; both of
-issue 41's time goals met (0.08x of the 1.5B's prefill on the target side, 0.37x with the 0.5B's), but its answers
-carry no context (F1 0.049 on 256 extractive examples, level with its shuffled source and with no context:
+`:kvp,tiny` runs it on the tiny random pair. With `:questions` on a 2-core CPU: ~40-50 minutes, 17.8 GB; both
+time goals set for this pair met (0.08x of the 1.5B's prefill on the target side, 0.37x with the 0.5B's), but its
+answers carry no context (F1 0.049 on 256 extractive examples, level with its shuffled source and with no context:
 docs/results/2026-12-05-qwen-kvp.md), nor beyond its source-free twin's (`--config.translator.inputs=embeddings`:
 0.043; docs/results/2026-12-06-qwen-code-reading.md).
 
@@ -37,7 +37,7 @@ projections get a trained rank-16 change; the loss is the KL at temperature 2 to
 states' error. `:adapt` gives the source-fed dial the same receiver adaptation and loss (does the 0.5B add anything
 once the receiver is adapted?). Neither is measured yet.
 
-`:questions` (with either) trains on question-shaped rows as well (issue 41's lever, after Cartridges): of each batch a
+`:questions` (with either) trains on question-shaped rows as well (a lever, after Cartridges): of each batch a
 quarter retrieval rows, a quarter span rows (a request quoting the passage, the next words as the answer), a quarter
 fact rows (records of invented ships, a request for one field), a quarter plain continuation
 (`mot_jax/training/questions.py`), in the target's chat turns, labelled on the answer alone; the loss adds the KL to

@@ -1,4 +1,4 @@
-"""The feature cache (`data.feature_cache`, issue 17): the frozen models' outputs that a KV-space objective needs,
+"""The feature cache (`data.feature_cache`): the frozen models' outputs that a KV-space objective needs,
 computed once per chunk table and read from disk, so that such objectives train without the frozen forwards.
 
 With `loss.ce_weight=0` and no distill (`LossWeights.reads_prompt` False) a training step needs from the frozen

@@ -17,7 +17,7 @@ asks for the whole distribution the native context gives. `loss.hidden_weight`: 
 final-normed hidden states there (SwiftKV's hidden-state MSE). With `translator.receiver_rank` the translated side
 reads through the target's adapted queries (`translate/receiver.py`); the native side is the target itself.
 
-Ours, off by default (`loss.attention_weight`): + nu * the attention-output error (issue 17), averaged over the layers
+Ours, off by default (`loss.attention_weight`): + nu * the attention-output error, averaged over the layers
 the translator writes (those of the MSEs):
 
     error_l = sum_{b, p, h, c} (o_l(q, K~, V~) - o_l(q, K, V))^2 / sum_{b, p, h, c} o_l(q, K, V)^2

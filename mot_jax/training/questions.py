@@ -1,4 +1,4 @@
-"""Question-shaped training rows (ours, issue 41): a context that is a passage, a prompt that asks about a span of it
+"""Question-shaped training rows (ours): a context that is a passage, a prompt that asks about a span of it
 and then gives that span as the answer, with labels on the answer alone (Cartridges' finding: a cache trained on
 plain continuation memorises a text but does not answer questions about it).
 

@@ -1,4 +1,4 @@
-"""Selective recomputation (CacheBlend's lever; issue 41): above the dial's exact bottom, the target reruns its own
+"""Selective recomputation (CacheBlend's lever): above the dial's exact bottom, the target reruns its own
 layers for a few percent of the context's tokens over the translated cache, and their K/V replace the translated ones,
 restoring at those tokens the cross-attention a translation cannot reproduce.
 
