@@ -109,6 +109,19 @@ def markdown_part(out: str) -> str:
     return "\n".join(f"##{line}" if line.startswith("#") else line for line in out.strip().splitlines())
 
 
+def unwritable(path: Path) -> str | None:
+    """Why the section cannot be written to `path` (tried with its temporary file), or None."""
+    if not path.name or path.is_dir():
+        return "names a folder, not a file"
+    probe = path.with_name(path.name + ".tmp")
+    try:
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        return f"cannot be written ({e.strerror or e})"
+    return None
+
+
 class Section:
     """The check's Markdown section, rewritten to `path` after every part."""
 
@@ -135,6 +148,10 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="device_check.md", help="the Markdown section's file")
     parser.add_argument("--runs", type=int, default=None, help="timed runs per bench cell (default 3; --cpu 1)")
     args = parser.parse_args(argv)
+    problem = unwritable(Path(args.out))
+    if problem:  # before minutes of a lent device are spent
+        print(f"error: --out={args.out} {problem}; pass --out=FILE in a folder this check can write.", file=sys.stderr)
+        return 2
     runs = args.runs or (1 if args.cpu else 3)
     limits = CPU_LIMITS if args.cpu else LIMITS
     # the configs' default step (replay, sparse mixture) on the GPU; the CPU's dry run the cheapest to compile

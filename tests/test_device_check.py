@@ -2,6 +2,7 @@
 
 import re
 import subprocess
+import sys
 
 import pytest
 from helpers import ROOT
@@ -30,3 +31,20 @@ def test_the_device_checks_dry_run_writes_one_section_with_every_part(tmp_path):
     # each bench part brought its table (header row, alignment row, data rows)
     assert len(re.findall(r"^\| --- \|", text, re.MULTILINE)) >= 2, text
     assert re.search(r"jax \d+\.\d+", text) and "The whole check took" in text, text
+
+
+@pytest.mark.parametrize("out", ["/nonexistent/folder/check.md", "", "/proc/check.md"])
+def test_an_output_file_that_cannot_be_written_is_refused_before_any_part_runs(out, tmp_path):
+    result = subprocess.run(
+        [sys.executable, "launch/device_check.py", "--cpu", f"--out={out or tmp_path}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2 and result.stdout == ""
+    assert re.fullmatch(
+        r"error: --out=\S* (names a folder, not a file|cannot be written \(.+\)); "
+        r"pass --out=FILE in a folder this check can write.\n",
+        result.stderr,
+    )
