@@ -55,9 +55,8 @@ class Events:
         where = "" if step is None else f" at step {step}"
         logging.warning("TensorBoard curves stopped%s (%s); the run goes on without them.", where, error)
         writer, self.writer = self.writer, None
-        try:
-            if writer is not None:
-                writer._py_recordio_writer.close()  # the file alone: its buffer cannot be flushed
+        try:  # the file alone (tensorboardX's record writer): its buffer cannot be flushed, so no `writer.close()`
+            getattr(writer, "_py_recordio_writer", None) and writer._py_recordio_writer.close()
         except OSError:
             pass
 
