@@ -18,7 +18,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
-from helpers import ROOT, TINY_FLAGS, load_config, one_device_command_env, run_cli
+from helpers import ROOT, TINY_FLAGS, load_config, one_device_command_env, run_cli, sharing_jitted_steps
 from orbax.checkpoint._src.handlers import json_checkpoint_handler
 
 from mot_jax.cli import run_or_exit
@@ -393,9 +393,10 @@ def test_sigterm_while_a_step_holds_the_state_checkpoints_that_step(tmp_path, ti
 
 
 @pytest.mark.slow
-def test_sigterm_at_every_moment_keeps_the_last_completed_step(tmp_path, capsys):
+def test_sigterm_at_every_moment_keeps_the_last_completed_step(tmp_path, capsys, monkeypatch):
     """SIGTERM at each of the 12 moments a 4-step run passes through (each compile, step, validation and save), once
     each: random moments drawn from these would repeat some and miss others."""
+    sharing_jitted_steps(monkeypatch)
     config = load_config(steps=4, eval_every=2, checkpoint_every=2)
     loop.train_and_evaluate(config, tmp_path / "whole")
     calls = dict(compile=4, step=4, validation=2, save=2)  # how often a 4-step run reaches each
