@@ -177,8 +177,8 @@ def sharing_jitted_steps(monkeypatch):
 
     def sharing(self, config, pair, spec, tcfg, mesh, total_steps):
         init(self, config, pair, spec, tcfg, mesh, total_steps)
-        models = (pair.source.config, pair.target.config)  # their graphs hold each load's own activation function
-        key = (config.to_json_best_effort(), spec, tcfg, mesh, total_steps, self.graphdef, models)
+        # the shapes the translator and the models are built from (their graphs hold each build's own activation)
+        key = (config.to_json_best_effort(), spec, tcfg, mesh, total_steps, pair.source.config, pair.target.config)
         earlier = next((functions for k, functions in built if k == key), None)
         if earlier is None:
             built.append((key, {name: getattr(self, name) for name in names}))

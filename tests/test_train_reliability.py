@@ -386,9 +386,10 @@ def check_preempted_then_resumed(workdir, config, reference, capsys, where: str,
     return int(named[1])
 
 
-def test_sigterm_while_a_step_holds_the_state_checkpoints_that_step(tmp_path, tiny_run, capsys):
+def test_sigterm_while_a_step_holds_the_state_checkpoints_that_step(tmp_path, tiny_run, capsys, monkeypatch):
     # what SLURM, spot VMs and TPU maintenance send, and it lands in a step nearly always: the step ends, is saved
     reference, _ = tiny_run  # load_config(steps=2), uninterrupted
+    sharing_jitted_steps(monkeypatch)  # the stopped run's and the resumed run's Trainers
     assert check_preempted_then_resumed(tmp_path, load_config(steps=2), reference, capsys, "step", 1) == 1
 
 
