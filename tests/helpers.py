@@ -165,9 +165,33 @@ def trainer_for(c, mesh, steps):
     return Trainer(c, pair, spec, tcfg, mesh, steps), pair
 
 
+def sharing_jitted_steps(monkeypatch):
+    """A Trainer built with the same arguments as an earlier one (config, translator spec and shape, mesh, step count,
+    models' shapes) takes the earlier one's jitted functions, as JAX would share them were a new Trainer's bound methods
+    the same function: each run of a test would otherwise trace and lower the same programs again (the persistent
+    compilation cache spares only XLA's compile), most of a tiny run's time on a small CPU. A Trainer built with any
+    argument different (a resume that got its step count wrong) jits its own. Each run still builds its own state,
+    restores its own checkpoint and runs its own steps."""
+    built, init = [], loop.Trainer.__init__
+    names = ("_train", "_eval", "_baselines", "_skip_sums")
+
+    def sharing(self, config, pair, spec, tcfg, mesh, total_steps):
+        init(self, config, pair, spec, tcfg, mesh, total_steps)
+        # the shapes the translator and the models are built from (their graphs hold each build's own activation)
+        key = (config.to_json_best_effort(), spec, tcfg, mesh, total_steps, pair.source.config, pair.target.config)
+        earlier = next((functions for k, functions in built if k == key), None)
+        if earlier is None:
+            built.append((key, {name: getattr(self, name) for name in names}))
+        else:
+            self.__dict__.update(earlier)
+
+    monkeypatch.setattr(loop.Trainer, "__init__", sharing)
+
+
 def whole_and_resumed(config, root, monkeypatch, stop_after: int):
     """`config` trained in root/whole at once and in root/resumed stopped by Ctrl-C after step `stop_after` and run
     again: (the whole run's summary, [the whole run's trained translator, the resumed run's])."""
+    sharing_jitted_steps(monkeypatch)
     whole = loop.train_and_evaluate(config, root / "whole")
     step, calls = loop.Trainer.train_step, []
 

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import ROOT, TINY_MODEL_CONFIG
+from helpers import ROOT, TINY_MODEL_CONFIG, one_device_command_env
 
 from mot_jax.bench import common, page, train, ttft
 
@@ -26,7 +26,8 @@ NUMBER = re.compile(r"^-?\d+(\.\d+)?(e[+-]?\d+)?[x%]?$")
 
 
 def run_bench(*args, timeout=1200):  # the quick page takes ~340 s alone on 2 cores, more beside another test
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    # every --quick part runs on one device (its tiny configs' mesh, or none): compiled as the suite's commands
+    env = dict(one_device_command_env(), PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     command = [sys.executable, "-m", "mot_jax.bench", *args]
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 

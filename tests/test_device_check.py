@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import ROOT
+from helpers import ROOT, one_device_command_env
 
 
 @pytest.mark.slow
@@ -14,6 +14,7 @@ def test_the_device_checks_dry_run_writes_one_section_with_every_part(tmp_path):
     result = subprocess.run(
         ["bash", "launch/device_check.sh", "--cpu", f"--out={out}"],
         cwd=ROOT,
+        env=one_device_command_env(),  # the dry run's parts run on one CPU device: compiled as the suite's commands
         capture_output=True,
         text=True,
         timeout=600,

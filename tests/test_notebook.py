@@ -2,13 +2,18 @@
 
 import json
 import os
-from pathlib import Path
 
 import nbformat
 import pytest
+from helpers import ROOT, one_device_command_env
 from nbclient import NotebookClient
 
-ROOT = Path(__file__).resolve().parents[1]
+
+def kernel_environment(monkeypatch):
+    """The kernel and the commands it starts use this checkout (set up by CI), so the install cell does nothing; they
+    compile their one-device programs (the :tiny trainings, the evaluations) as the suite's other commands do."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("XLA_FLAGS", one_device_command_env()["XLA_FLAGS"])
 
 
 @pytest.mark.slow
@@ -17,8 +22,7 @@ def test_colab_notebook_runs_top_to_bottom_on_tiny_models(tmp_path, monkeypatch)
     (parameters,) = [c for c in notebook.cells if "parameters" in c.metadata.get("tags", [])]
     assert "TINY = False" in parameters.source
     parameters.source = parameters.source.replace("TINY = False", "TINY = True")
-    # the kernel and the commands it starts use this checkout (set up by CI), so the install cell does nothing
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    kernel_environment(monkeypatch)
     where = {"metadata": {"path": str(tmp_path)}}  # the kernel's working directory: WORKDIR is relative to it
     NotebookClient(notebook, timeout=900, kernel_name="python3", resources=where).execute()
 
@@ -38,7 +42,7 @@ def test_reproduce_paper_notebook_runs_top_to_bottom_on_tiny_models(tmp_path, mo
     for default, tiny in [("TINY = False", "TINY = True"), ('PAIR = "gpt2_gpt2"', 'PAIR = "qwen2_5_0_5b"')]:
         assert default in parameters.source
         parameters.source = parameters.source.replace(default, tiny)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    kernel_environment(monkeypatch)
     where = {"metadata": {"path": str(tmp_path)}}
     NotebookClient(notebook, timeout=1800, kernel_name="python3", resources=where).execute()
 

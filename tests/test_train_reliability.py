@@ -19,7 +19,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
-from helpers import ROOT, TINY_FLAGS, load_config, one_device_command_env, run_cli
+from helpers import ROOT, TINY_FLAGS, load_config, one_device_command_env, run_cli, sharing_jitted_steps
 from orbax.checkpoint._src.handlers import json_checkpoint_handler
 
 from mot_jax.cli import run_or_exit
@@ -446,16 +446,18 @@ def check_preempted_then_resumed(workdir, config, reference, capsys, where: str,
     return int(named[1])
 
 
-def test_sigterm_while_a_step_holds_the_state_checkpoints_that_step(tmp_path, tiny_run, capsys):
+def test_sigterm_while_a_step_holds_the_state_checkpoints_that_step(tmp_path, tiny_run, capsys, monkeypatch):
     # what SLURM, spot VMs and TPU maintenance send, and it lands in a step nearly always: the step ends, is saved
     reference, _ = tiny_run  # load_config(steps=2), uninterrupted
+    sharing_jitted_steps(monkeypatch)  # the stopped run's and the resumed run's Trainers
     assert check_preempted_then_resumed(tmp_path, load_config(steps=2), reference, capsys, "step", 1) == 1
 
 
 @pytest.mark.slow
-def test_sigterm_at_every_moment_keeps_the_last_completed_step(tmp_path, capsys):
+def test_sigterm_at_every_moment_keeps_the_last_completed_step(tmp_path, capsys, monkeypatch):
     """SIGTERM at each of the 12 moments a 4-step run passes through (each compile, step, validation and save), once
     each: random moments drawn from these would repeat some and miss others."""
+    sharing_jitted_steps(monkeypatch)
     config = load_config(steps=4, eval_every=2, checkpoint_every=2)
     loop.train_and_evaluate(config, tmp_path / "whole")
     calls = dict(compile=4, step=4, validation=2, save=2)  # how often a 4-step run reaches each
