@@ -61,10 +61,7 @@ class Trainer:
         placed = optax.tree_map_params(
             self.tx, lambda _, p: p.sharding, shapes, params, transform_non_params=lambda _: replicated
         )
-        if abstract:
-            opt_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, placed)
-        else:
-            opt_state = jax.jit(self.tx.init, out_shardings=placed)(params)
+        opt_state = shapes if abstract else jax.jit(self.tx.init, out_shardings=placed)(params)
         self.state = dict(params=params, opt_state=opt_state, rng=rng)
         self.topk, self.reads_source = spec.attention_topk, spec.reads_source
         self.source_hands = spec.source_hands  # what the source hands over: K/V, layer inputs or last hidden states
@@ -72,7 +69,7 @@ class Trainer:
         self.compute_dtype = resolve_dtype(config.dtype)
         self.weights = objective.LossWeights.from_config(config.loss)
         named = lambda x: x.sharding if isinstance(x.sharding, NamedSharding) else replicated
-        state_sharding = jax.tree.map(named, self.state)  # fixed, so the step compiles once
+        state_sharding = jax.tree.map(named, self.state) | dict(opt_state=placed)  # fixed: the step compiles once
         if abstract:
             sds = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
             self.state = jax.tree.map(sds, self.state, state_sharding)
