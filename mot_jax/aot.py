@@ -173,7 +173,7 @@ def compile_program(config, topology_name: str, program: str, tokens: int | None
     else:
         traced, weights = _trace_generation(config, devices, program, tokens, batch)
         optimizer = []
-    compiled = traced.lower().compile()
+    compiled = _compile(traced, program, chip)
     m = compiled.memory_analysis()
     return (
         chip,
@@ -192,6 +192,22 @@ def compile_program(config, topology_name: str, program: str, tokens: int | None
             optimizer=optimizer,
         ),
     )
+
+
+def _compile(traced, program: str, chip: Chip):
+    """XLA's compile of a traced program; its refusal of a program a chip cannot hold (past some size XLA stops
+    before planning) as one sentence."""
+    try:
+        return traced.lower().compile()
+    except Exception as e:  # jax.errors.JaxRuntimeError
+        text = _first_line(e)
+        if "RESOURCE_EXHAUSTED" not in text:
+            raise
+        said = text.split("RESOURCE_EXHAUSTED:", 1)[1].strip().rstrip(".")
+        raise MotJaxError(
+            f"The {program} does not fit a {chip.name} chip: XLA says {said}; compile fewer tokens or rows, or for a "
+            "larger slice."
+        ) from None
 
 
 def placement(prefix: str, tree) -> list:

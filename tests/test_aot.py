@@ -138,6 +138,14 @@ def test_run_refuses_when_a_chip_would_not_hold_the_program(monkeypatch):
         aot.run(config, "v5e:2x2", "prefill", tokens=64)
 
 
+@pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu is not installed (bash launch/setup.sh --tpu-compile)")
+def test_a_program_xla_will_not_plan_is_refused_in_one_line():
+    config = tiny(base(), "qwen2", "qwen2")  # 65,536 tokens: float32 attention scores of tens of GiB a chip
+    with pytest.raises(MotJaxError, match=r"does not fit a TPU v5e chip: XLA says .* exceeds available HBM") as e:
+        aot.run(config, "v5e:2x2", "prefill", tokens=65536)
+    assert "\n" not in str(e.value)
+
+
 def test_command_fails_in_one_line_with_exit_2():
     args = ["--config=configs/qwen2_5_7b.py:tiny", "--topology=v9x:2x2"]
     done = subprocess.run([sys.executable, "-m", "mot_jax.compile", *args], capture_output=True, text=True)
