@@ -27,7 +27,8 @@ from mot_jax.errors import MotJaxError
 
 GiB = 2**30
 INSTALL = "bash launch/setup.sh --tpu-compile"
-PROGRAMS = ("prefill", "decode")
+PROGRAMS = ("train", "prefill", "decode")
+DEFAULT_TOKENS = 1024  # a prefill's prompt tokens unless told
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +40,8 @@ class Chip:
     ici_bandwidth: float  # bytes/s a chip exchanges with the others
 
 
-# Cloud TPU's published per-chip figures (ICI: 2,400 / 1,600 / 4,800 / 3,584 Gbps)
+# Cloud TPU's published per-chip figures: bf16 peak, HBM capacity and bandwidth, ICI bandwidth (2,400 / 1,600 /
+# 4,800 / 3,584 Gbps), from https://cloud.google.com/tpu/docs/v4, .../v5e, .../v5p and .../v6e (system architecture)
 CHIPS = {
     "v4": Chip("TPU v4", 32 * GiB, 275e12, 1.2e12, 300e9),
     "v5e": Chip("TPU v5e", 16 * GiB, 197e12, 0.819e12, 200e9),
@@ -141,59 +143,152 @@ class Compiled:
     flops: float  # the whole step, all chips
     weight_bytes: int  # the model's parameters, whole
     hlo: str
-    weights: list  # (name, shape, dtype, spec, bytes per chip)
+    weights: list  # (name, shape, dtype, spec, bytes per chip) of what the program uses whole: models, translator
+    optimizer: list = dataclasses.field(default_factory=list)  # the AdamW state, the same way (updated in place)
 
     @property
     def total(self) -> int:
         return self.arguments + self.outputs + self.temporaries - self.aliased + self.code
 
-    @property
-    def gathered(self) -> int:
-        """Bytes of weights a chip does not hold: what it receives to use every weight whole once."""
-        return sum(
-            math.prod(shape) * np.dtype(dtype).itemsize - per_chip for _, shape, dtype, _, per_chip in self.weights
-        )
 
-
-def compile_program(config, topology_name: str, program: str, tokens: int, batch: int | None = None):
-    """(Chip, devices, Compiled) of `program` (prefill of `tokens` tokens, or one decode step after them) of the
-    config's target, `batch` rows (default one a chip), compiled for the topology."""
+def compile_program(config, topology_name: str, program: str, tokens: int | None = None, batch: int | None = None):
+    """(Chip, devices, Compiled) of `program` compiled for the topology: `train`, the config's training step
+    (`trace_train`, in the config's shapes); `prefill` of `tokens` tokens (default 1,024) of the config's target, or
+    one `decode` step after them, `batch` rows (default one a chip)."""
     if program not in PROGRAMS:
         raise MotJaxError(f"Unknown program {program!r}; choose one of {', '.join(PROGRAMS)}.")
+    if program == "train" and (tokens, batch) != (None, None):
+        raise MotJaxError(
+            "The training step takes its shapes from the config; drop --tokens and --batch and set "
+            "--config.data.total_tokens, --config.batch_size or --config.grad_accum instead."
+        )
+    tokens = DEFAULT_TOKENS if tokens is None else tokens
     if tokens < 1:
         raise MotJaxError(f"--tokens={tokens} must be at least 1.")
     chip, devices = topology(topology_name)
+    from mot_jax.bench.flops import matmul_flops
 
+    if program == "train":
+        traced, weights, optimizer = trace_train(config, devices)
+    else:
+        traced, weights = _trace_generation(config, devices, program, tokens, batch)
+        optimizer = []
+    compiled = _compile(traced, program, chip)
+    m = compiled.memory_analysis()
+    return (
+        chip,
+        devices,
+        Compiled(
+            program=program,
+            arguments=m.argument_size_in_bytes,
+            outputs=m.output_size_in_bytes,
+            temporaries=m.temp_size_in_bytes,
+            aliased=m.alias_size_in_bytes,
+            code=m.generated_code_size_in_bytes,
+            flops=matmul_flops(traced.jaxpr.jaxpr),
+            weight_bytes=sum(math.prod(shape) * np.dtype(dtype).itemsize for _, shape, dtype, *_ in weights),
+            hlo=compiled.as_text(),
+            weights=weights,
+            optimizer=optimizer,
+        ),
+    )
+
+
+def _compile(traced, program: str, chip: Chip):
+    """XLA's compile of a traced program; its refusal of a program a chip cannot hold (past some size XLA stops
+    before planning) as one sentence."""
+    try:
+        return traced.lower().compile()
+    except Exception as e:  # jax.errors.JaxRuntimeError
+        text = _first_line(e)
+        if "RESOURCE_EXHAUSTED" not in text:
+            raise
+        said = text.split("RESOURCE_EXHAUSTED:", 1)[1].strip().rstrip(".")
+        raise MotJaxError(
+            f"The {program} does not fit a {chip.name} chip: XLA says {said}; compile fewer tokens or rows, or for a "
+            "larger slice."
+        ) from None
+
+
+def placement(prefix: str, tree) -> list:
+    """(name, shape, dtype, spec, bytes a chip) of each leaf of a tree of sharded ShapeDtypeStructs (an nnx State's
+    variables, or any pytree), named by its path under `prefix`."""
+    import jax
+    from flax import nnx
+
+    if isinstance(tree, nnx.State):
+        leaves = [(".".join(map(str, path)), var.get_value()) for path, var in nnx.to_flat_state(tree)]
+    else:
+        keys = lambda path: ".".join(str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k)))) for k in path)
+        leaves = [(keys(path), leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(tree)]
+    rows = []
+    for name, value in leaves:
+        per_chip = math.prod(value.sharding.shard_shape(value.shape)) * np.dtype(value.dtype).itemsize
+        name = f"{prefix}.{name}" if prefix else name
+        rows.append((name, value.shape, np.dtype(value.dtype).name, value.sharding.spec, per_chip))
+    return rows
+
+
+def compile_channels(config, pair):
+    """The config's channel map for a compile: the depth-ratio search (which trains) replaced by the largest window
+    it may choose (`max_ratio`), at the top; the translator's shapes and the step's work depend on the window's
+    size only."""
+    from mot_jax.training.channel_search import resolve_channels
+    from mot_jax.translate import channels
+
+    c = config.translator.channels
+    if config.translator.mode != "direct" and str(c.mode).replace("-", "_") == "depth_ratio":
+        return channels.terminal(pair.source.config.num_layers, pair.target.config.num_layers, c.max_ratio)
+    return resolve_channels(config, pair)
+
+
+def trace_train(config, devices):
+    """(traced, weights, optimizer) of the config's training step (`Trainer._train_step`: translator forward, the
+    frozen source and target forwards, the loss and its gradient over the micro-batches, the AdamW update) traced
+    on `devices` from abstract state: abstract models in the config's real shapes, the trainer's mesh and
+    shardings, a batch of the config's shapes. `weights` lists the frozen models and the translator, `optimizer`
+    the AdamW state (`placement`)."""
+    from flax import nnx
+
+    from mot_jax.models.model_pair import ModelPair
+    from mot_jax.models.registry import build_model, resolve_dtype
+    from mot_jax.training import setup
+    from mot_jax.training.trainer import Trainer, abstract_batch
+
+    mesh = setup.make_mesh(config, devices)
+    build = lambda name: build_model(model_config(name), resolve_dtype(config.dtype), abstract=True)
+    source = build(config.source)
+    target = source if config.target == config.source else build(config.target)  # one model, as `load_pair`
+    pair = ModelPair(source, target, None, None)
+    spec, tcfg = setup.translation(config, compile_channels(config, pair), pair)
+    trainer = Trainer(config, pair, spec, tcfg, mesh, config.steps, abstract=True)
+    traced = trainer.trace_train_step(abstract_batch(config, config.grad_accum))
+    models = [("model", source)] if source is target else [("source", source), ("target", target)]
+    weights = [row for name, m in models for row in placement(name, nnx.state(m, nnx.Param))]
+    weights += placement("translator", trainer.state["params"])
+    return traced, weights, placement("adamw", trainer.state["opt_state"])
+
+
+def _trace_generation(config, devices, program: str, tokens: int, batch: int | None):
+    """(traced, weights) of the target's prefill or decode step (`compile_program`)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
     from jax.sharding import NamedSharding
 
     from mot_jax import sharding
-    from mot_jax.bench.flops import matmul_flops
     from mot_jax.models import generation
     from mot_jax.models.cache import KVCache
     from mot_jax.models.registry import build_model, resolve_dtype
 
     cfg = model_config(config.target)
     mesh = sharding.make_mesh(devices=list(devices))  # every chip on `data`: rows, and FSDP when the config asks
-    rules = sharding.FSDP_RULES if config.mesh.fsdp else sharding.RULES
+    rules = sharding.llm_rules(config)
     batch = batch or len(devices)
     if batch % mesh.shape["data"]:
         raise MotJaxError(f"--batch={batch} does not split over {len(devices)} chips; use a multiple of it.")
-    model = build_model(cfg, resolve_dtype(config.dtype), abstract=True)
+    model = sharding.shard(build_model(cfg, resolve_dtype(config.dtype), abstract=True), mesh, rules)
     graphdef, state = nnx.split(model)
-    weights, weight_bytes = [], 0
-    for path, var in nnx.to_flat_state(state):
-        value = var.get_value()
-        names = var.get_metadata().get("out_sharding")
-        spec = sharding.spec(names, rules, value.shape, mesh)
-        placed = NamedSharding(mesh, spec)
-        var.set_value(jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=placed))
-        size = math.prod(value.shape) * np.dtype(value.dtype).itemsize
-        weight_bytes += size
-        per_chip = math.prod(placed.shard_shape(value.shape)) * np.dtype(value.dtype).itemsize
-        weights.append((".".join(map(str, path)), value.shape, np.dtype(value.dtype).name, spec, per_chip))
 
     def sds(shape, dtype, names):
         return jax.ShapeDtypeStruct(
@@ -221,25 +316,7 @@ def compile_program(config, topology_name: str, program: str, tokens: int, batch
             return logits[:, -1], cache
 
         args, donate = (state, last, cache), (2,)
-    traced = jax.jit(step, donate_argnums=donate).trace(*args)
-    compiled = traced.lower().compile()
-    m = compiled.memory_analysis()
-    return (
-        chip,
-        devices,
-        Compiled(
-            program=program,
-            arguments=m.argument_size_in_bytes,
-            outputs=m.output_size_in_bytes,
-            temporaries=m.temp_size_in_bytes,
-            aliased=m.alias_size_in_bytes,
-            code=m.generated_code_size_in_bytes,
-            flops=matmul_flops(traced.jaxpr.jaxpr),
-            weight_bytes=weight_bytes,
-            hlo=compiled.as_text(),
-            weights=weights,
-        ),
-    )
+    return jax.jit(step, donate_argnums=donate).trace(*args), placement("", nnx.state(model, nnx.Param))
 
 
 # ---------------------------------------------------------------------------------------------- reading the HLO
@@ -249,6 +326,8 @@ _DTYPE_BYTES |= {"f64": 8, "s64": 8, "u64": 8, "f8e4m3fn": 1, "f8e5m2": 1, "s4":
 _SHAPE = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
 _ASSIGNMENT = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+_COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")  # a computation's first line (at column 0)
+_CALLED = re.compile(r"\b(body|condition|calls|to_apply|branch_computations|called_computations)=(\{[^}]*\}|%[\w.\-]+)")
 
 
 def shape_bytes(text: str) -> int:
@@ -262,21 +341,70 @@ def shape_bytes(text: str) -> int:
 
 def instructions(hlo: str):
     """(name, result type, opcode) of each instruction of an HLO module's text."""
-    found = []
+    return [found for line in hlo.splitlines() if (found := _instruction(line))]
+
+
+def _instruction(line: str):
+    """(name, result type, opcode) of an HLO text line that is an instruction, else None."""
+    match = _ASSIGNMENT.match(line)
+    if not match:
+        return None
+    name, rest = match.groups()
+    if rest.startswith("("):  # a tuple type: up to its closing parenthesis
+        end = _closing(rest)
+        result, rest = rest[: end + 1], rest[end + 1 :]
+    else:
+        result, _, rest = rest.partition(" ")
+    opcode = rest.strip().split("(", 1)[0]
+    return (name, result, opcode) if opcode else None
+
+
+def computations(hlo: str) -> tuple[dict, str | None]:
+    """({name: its lines}, the entry's name) of an HLO module's text."""
+    found, entry, current = {}, None, None
     for line in hlo.splitlines():
-        match = _ASSIGNMENT.match(line)
-        if not match:
-            continue
-        name, rest = match.groups()
-        if rest.startswith("("):  # a tuple type: up to its closing parenthesis
-            end = _closing(rest)
-            result, rest = rest[: end + 1], rest[end + 1 :]
-        else:
-            result, _, rest = rest.partition(" ")
-        opcode = rest.strip().split("(", 1)[0]
-        if opcode:
-            found.append((name, result, opcode))
-    return found
+        header = _COMPUTATION.match(line)
+        if header:
+            current = header.group(2)
+            found[current] = []
+            entry = current if header.group(1) else entry
+        elif line.startswith("}"):
+            current = None
+        elif current is not None:
+            found[current].append(line)
+    return found, entry
+
+
+def executions(hlo: str) -> dict:
+    """{computation: times it runs in one execution of the program}: the entry once; a while loop's body and
+    condition its trip count (the constant its condition compares the counter with; once where there is none)
+    times its caller's; any other called computation (fusions, calls, a conditional's every branch) its
+    caller's. Computations are printed callees first, so callers are walked from the entry down."""
+    bodies, entry = computations(hlo)
+    times = dict.fromkeys(bodies, 0)
+    if entry is None:
+        return times
+    times[entry] = 1
+    for caller in reversed(list(bodies)):
+        for line in bodies[caller]:
+            called = dict(_CALLED.findall(line))
+            trips = _trip_count(bodies.get(called.get("condition", "").lstrip("%"), [])) if "body" in called else 1
+            for key, names in called.items():
+                for name in re.findall(r"[\w.\-]+", names):
+                    if name in times:
+                        times[name] += times[caller] * (trips if key in ("body", "condition") else 1)
+    return times
+
+
+def _trip_count(condition: list[str]) -> int:
+    """The trip count of a while loop of a counter from 0 by 1 whose condition is `counter < constant`; 1 if not so."""
+    constants = dict(re.findall(r"%([\w.\-]+) = s32\[\]\S* constant\((\d+)\)", "\n".join(condition)))
+    for line in condition:
+        if "ROOT" in line and "compare(" in line and "direction=LT" in line:
+            operands = re.findall(r"%([\w.\-]+)", line.split("compare(", 1)[1])
+            bound = [int(constants[o]) for o in operands if o in constants]
+            return bound[-1] if bound else 1
+    return 1
 
 
 def _closing(text: str) -> int:
@@ -289,18 +417,33 @@ def _closing(text: str) -> int:
     return len(text) - 1
 
 
-def collectives(hlo: str) -> dict:
+def collectives(hlo: str, per_step: bool = False) -> dict:
     """{kind: (count, bytes)} of the collectives in a compiled (per-chip) HLO text, by their results' bytes; an
-    async pair (`-start` / `-done`) counts once. A loop body's collectives count once, as the text has them."""
+    async pair (`-start` / `-done`) counts once. As the text has them (a loop body once), or `per_step`: each as
+    often as it runs (`executions`: a loop body times its trip count)."""
     found = {}
-    for _, result, opcode in instructions(hlo):
-        kind = opcode.removesuffix("-start")
-        if kind in COLLECTIVES and not opcode.endswith("-done"):
-            count, size = found.get(kind, (0, 0))
+    times = executions(hlo) if per_step else {}
+    for computation, lines in computations(hlo)[0].items():
+        for line in lines:
+            name_result_opcode = _instruction(line)
+            if name_result_opcode is None:
+                continue
+            _, result, opcode = name_result_opcode
+            kind = opcode.removesuffix("-start")
+            if kind not in COLLECTIVES or opcode.endswith("-done"):
+                continue
             if opcode.endswith("-start"):  # its result is (operands, outputs[, context]): the outputs
                 result = _tuple_items(result)[1] if len(_tuple_items(result)) > 1 else result
-            found[kind] = (count + 1, size + shape_bytes(result))
+            runs = times.get(computation, 0) if per_step else 1
+            count, size = found.get(kind, (0, 0))
+            found[kind] = (count + runs, size + runs * shape_bytes(result))
     return found
+
+
+def ici_traffic(hlo: str) -> int:
+    """Bytes a chip moves over ICI in one step, roughly: its collectives' result bytes as often as they run, an
+    all-reduce twice (a ring reduces and then gathers)."""
+    return sum(size * (2 if kind == "all-reduce" else 1) for kind, (_, size) in collectives(hlo, True).items())
 
 
 def _tuple_items(result: str) -> list[str]:
@@ -348,23 +491,47 @@ def check_fits(compiled: Compiled, chip: Chip) -> None:
     )
 
 
-def estimate(compiled: Compiled, chip: Chip, chips: int) -> tuple[float, float]:
-    """(seconds, MFU bound): the roofline time of the step, the slowest of its FLOPs at the chips' peak, each chip
-    reading every weight once at its HBM bandwidth (FSDP gathers them whole) and receiving the weights it does not
-    hold over ICI; the MFU if it ran at that time. Activations' traffic and collectives are left out."""
-    compute = compiled.flops / (chips * chip.peak_flops)
-    seconds = max(compute, compiled.weight_bytes / chip.hbm_bandwidth, compiled.gathered / chip.ici_bandwidth)
-    return seconds, compute / seconds
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    """A roofline estimate of one step on real chips (none ran): each bound's seconds and the slowest."""
+
+    compute: float  # the FLOPs spread evenly over the chips at their peak
+    weights: float  # every weight read once from HBM
+    ici: float  # the collectives' bytes a chip moves (`ici_traffic`) at its ICI bandwidth
+    traffic: int  # those bytes
+
+    @property
+    def seconds(self) -> float:
+        return max(self.compute, self.weights, self.ici)
+
+    @property
+    def mfu(self) -> float:
+        """The model FLOPs utilisation if the step ran at that time: an upper bound."""
+        return self.compute / self.seconds
+
+
+def estimate(compiled: Compiled, chip: Chip, chips: int) -> Estimate:
+    """The step's roofline: the slowest of its FLOPs at the chips' peak, each chip reading every weight once at its
+    HBM bandwidth, and its collectives' traffic over ICI, everything else perfectly overlapped. Activations' HBM
+    traffic is left out, so the time is a lower bound and the MFU an upper one."""
+    traffic = ici_traffic(compiled.hlo)
+    return Estimate(
+        compute=compiled.flops / (chips * chip.peak_flops),
+        weights=compiled.weight_bytes / chip.hbm_bandwidth,
+        ici=traffic / chip.ici_bandwidth,
+        traffic=traffic,
+    )
 
 
 def report(compiled: Compiled, chip: Chip, chips: int, topology_name: str, title: str) -> str:
     """The compile report as text (Markdown tables)."""
     gib = lambda b: f"{b / GiB:.2f}"
-    seconds, mfu = estimate(compiled, chip, chips)
+    est = estimate(compiled, chip, chips)
+    ms = lambda seconds: f"{seconds * 1e3:.2f} ms"
     lines = [
         f"{title} compiled for {topology_name} ({chips} x {chip.name}, {gib(chip.hbm)} GiB HBM a chip).",
         "",
-        "| per chip | GiB |",
+        "| per chip (XLA's memory plan) | GiB |",
         "|---|---|",
         f"| arguments | {gib(compiled.arguments)} |",
         f"| temporaries | {gib(compiled.temporaries)} |",
@@ -373,25 +540,34 @@ def report(compiled: Compiled, chip: Chip, chips: int, topology_name: str, title
         f"| code | {gib(compiled.code)} |",
         f"| total | {gib(compiled.total)} of {gib(chip.hbm)} ({compiled.total / chip.hbm:.0%}) |",
         "",
-        f"Step matmul FLOPs (jaxpr count): {compiled.flops / 1e12:.3f} TFLOP in all, "
-        f"{compiled.flops / chips / 1e12:.3f} a chip.",
-        f"Estimated step time (roofline, no TPU ran): {seconds * 1e3:.2f} ms, the slowest of the FLOPs at "
-        f"{chip.peak_flops / 1e12:.0f} TFLOP/s a chip, every weight ({gib(compiled.weight_bytes)} GiB) read once at "
-        f"{chip.hbm_bandwidth / 1e9:.0f} GB/s and the {gib(compiled.gathered)} GiB of weights a chip lacks received "
-        f"at {chip.ici_bandwidth / 1e9:.0f} GB/s over ICI; MFU at most {mfu:.0%} (an estimate).",
+        f"Step matmul FLOPs (counted in the jaxpr, loops times their trip counts, recomputation included): "
+        f"{compiled.flops / 1e12:.3f} TFLOP in all, {compiled.flops / chips / 1e12:.3f} a chip if spread evenly.",
+        f"Estimated step time (a roofline, no TPU ran): {ms(est.seconds)}, the slowest of: the FLOPs at "
+        f"{chip.peak_flops / 1e12:.0f} TFLOP/s a chip: {ms(est.compute)}; every weight ({gib(compiled.weight_bytes)} "
+        f"GiB) read once from HBM at {chip.hbm_bandwidth / 1e9:.0f} GB/s: {ms(est.weights)}; the collectives' "
+        f"{gib(est.traffic)} GiB a chip moves a step (below; an all-reduce twice) at {chip.ici_bandwidth / 1e9:.0f} "
+        f"GB/s over ICI: {ms(est.ici)}. Estimated MFU at most {est.mfu:.0%} (activations' HBM traffic left out, "
+        "everything else perfectly overlapped).",
         "",
-        "| collective (in the program text; a loop body counts once) | count | MiB |",
-        "|---|---|---|",
+        "| collective (per chip, by result bytes) | in the program text: count | MiB | a step (loops times their "
+        "trip counts): count | MiB |",
+        "|---|---|---|---|---|",
     ]
-    found = collectives(compiled.hlo)
-    lines += [f"| {kind} | {n} | {size / 2**20:.1f} |" for kind, (n, size) in sorted(found.items())] or [
-        "| none | 0 | 0 |"
-    ]
+    text, step = collectives(compiled.hlo), collectives(compiled.hlo, per_step=True)
+    mib = lambda b: f"{b / 2**20:,.1f}"
+    lines += [
+        f"| {kind} | {n} | {mib(size)} | {step[kind][0]} | {mib(step[kind][1])} |"
+        for kind, (n, size) in sorted(text.items())
+    ] or ["| none | 0 | 0 | 0 | 0 |"]
     lines += ["", "| weight | shape | dtype | sharding | MiB a chip |", "|---|---|---|---|---|"]
     for name, shape, dtype, spec, per_chip in compiled.weights:
         lines.append(f"| {name} | {list(shape)} | {dtype} | {_spec_text(spec)} | {per_chip / 2**20:.1f} |")
     replicated = sum(b for *_, spec, b in compiled.weights if not any(spec))
     lines.append(f"\nReplicated on every chip: {gib(replicated)} GiB of {gib(compiled.weight_bytes)} GiB of weights.")
+    if compiled.optimizer:
+        whole = sum(math.prod(shape) * np.dtype(dtype).itemsize for _, shape, dtype, *_ in compiled.optimizer)
+        per_chip = sum(b for *_, b in compiled.optimizer)
+        lines.append(f"AdamW state: {gib(whole)} GiB in all, {gib(per_chip)} GiB a chip.")
     return "\n".join(lines)
 
 
@@ -404,14 +580,23 @@ def _first_line(e: Exception) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
-def run(config, topology_name: str, program: str = "prefill", tokens: int = 1024, batch: int | None = None) -> str:
+def run(config, topology_name: str, program: str = "prefill", tokens: int | None = None, batch: int | None = None):
     """Compile and report (what `python -m mot_jax.compile` prints); refuses when a chip would not hold it."""
     chip, devices, compiled = compile_program(config, topology_name, program, tokens, batch)
     check_fits(compiled, chip)
-    rows = batch or len(devices)
-    title = (
-        f"{config.target}'s {program} ({rows} rows x {tokens} tokens, {config.dtype})"
-        if program == "prefill"
-        else f"{config.target}'s decode step ({rows} rows after {tokens} tokens, {config.dtype})"
-    )
-    return report(compiled, chip, len(devices), topology_name, title)
+    return report(compiled, chip, len(devices), topology_name, title(config, program, tokens, batch or len(devices)))
+
+
+def title(config, program: str, tokens: int | None, rows: int) -> str:
+    """What the report says was compiled."""
+    tokens = DEFAULT_TOKENS if tokens is None else tokens
+    if program == "train":
+        layout = "FSDP-split over `data`" if config.mesh.fsdp else "replicated over `data`"
+        return (
+            f"The training step of {config.source} -> {config.target} ({config.batch_size} x {config.grad_accum} "
+            f"sequences of {config.data.total_tokens} tokens, {config.dtype}, remat {config.remat!r}; the frozen "
+            f"models, the translator and its AdamW state {layout}, the experts over `expert`)"
+        )
+    if program == "prefill":
+        return f"{config.target}'s prefill ({rows} rows x {tokens} tokens, {config.dtype})"
+    return f"{config.target}'s decode step ({rows} rows after {tokens} tokens, {config.dtype})"

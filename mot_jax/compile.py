@@ -1,8 +1,10 @@
 """Compile for a Cloud TPU topology on this machine and report what a chip needs:
-`python -m mot_jax.compile --config=configs/NAME.py[:ARG] --topology=v5e:4x4 [--program=prefill|decode] [--tokens=N]`.
+`python -m mot_jax.compile --config=configs/NAME.py[:ARG] --topology=v5e:4x4 [--program=train|prefill|decode]
+[--tokens=N]`.
 
-Needs libtpu (`bash launch/setup.sh --tpu-compile`), no TPU: the config's target model is built abstractly in its
-real shapes, sharded by the config's rules over the topology's chips, and compiled ahead of time (`mot_jax.aot`).
+Needs libtpu (`bash launch/setup.sh --tpu-compile`), no TPU: the config's models (and for `train` its translator and
+AdamW state) are built abstractly in their real shapes, sharded by the config's rules over the topology's chips, and
+compiled ahead of time (`mot_jax.aot`). `train` compiles the training step the trainer runs, in the config's shapes.
 Refuses in one line (exit 2) when a chip would not hold the program.
 """
 
@@ -17,9 +19,13 @@ from mot_jax.cli import config_flags_parser, run_or_exit
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file (configs/NAME.py[:ARG]).")
 _TOPOLOGY = flags.DEFINE_string("topology", "v5e:4x4", "TPU topology GENERATION:SHAPE (v4, v5e, v5p, v6e).")
-_PROGRAM = flags.DEFINE_enum("program", "prefill", ["prefill", "decode"], "The program to compile.")
-_TOKENS = flags.DEFINE_integer("tokens", 1024, "Prompt tokens a row (decode: the tokens already cached).")
-_BATCH = flags.DEFINE_integer("batch", None, "Rows (default: one a chip).")
+_PROGRAM = flags.DEFINE_enum(
+    "program", "prefill", ["train", "prefill", "decode"], "The program to compile: the training step or the target's."
+)
+_TOKENS = flags.DEFINE_integer(
+    "tokens", None, "Prefill: prompt tokens a row (default 1,024); decode: the tokens already cached. Not for train."
+)
+_BATCH = flags.DEFINE_integer("batch", None, "Prefill and decode: rows (default: one a chip). Not for train.")
 flags.mark_flags_as_required(["config"])
 
 

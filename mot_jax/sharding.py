@@ -56,9 +56,12 @@ def param_sharding(var, mesh, rules=RULES) -> NamedSharding:
 
 def shard(module, mesh, rules=RULES):
     """Place every parameter of `module` on `mesh` by its logical axis names (in place; a parameter already placed
-    so, e.g. loaded onto the mesh, is left as it is); returns the module."""
+    so, e.g. loaded onto the mesh, is left as it is); returns the module. An abstract module's parameters
+    (`nnx.eval_shape`) get their shardings as ShapeDtypeStructs: no array is made (ahead-of-time compiles)."""
     for _, var in nnx.to_flat_state(nnx.state(module, nnx.Param)):
-        sharding, value = param_sharding(var, mesh, rules), var[...]
-        if not (isinstance(value, jax.Array) and value.sharding.is_equivalent_to(sharding, value.ndim)):
+        sharding, value = param_sharding(var, mesh, rules), var.get_value()
+        if isinstance(value, jax.ShapeDtypeStruct):
+            var.set_value(jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding))
+        elif not (isinstance(value, jax.Array) and value.sharding.is_equivalent_to(sharding, value.ndim)):
             var.set_value(jax.device_put(value, sharding))
     return module

@@ -1,13 +1,15 @@
 """`python -m mot_jax.compile`: reading the compiled program's text and the refusal run anywhere; compiling for a
 TPU topology needs libtpu (`bash launch/setup.sh --tpu-compile`) and is skipped without it."""
 
-import dataclasses
 import importlib.util
+import math
 import subprocess
 import sys
 
+import jax
+import numpy as np
 import pytest
-from jax.sharding import PartitionSpec
+from helpers import load_config, tiny_batch
 
 from mot_jax import aot
 from mot_jax.errors import MotJaxError
@@ -52,16 +54,48 @@ def test_refusal_names_the_biggest_buffers_in_one_sentence():
     assert message.index("fusion.7 f32[4,1024,1024] (0.02 GiB)") < message.index("all-gather")  # largest first
 
 
-def test_estimate_is_the_slower_of_compute_and_reading_the_weights():
-    chip = aot.Chip("test", aot.GiB, peak_flops=1e12, hbm_bandwidth=1e9, ici_bandwidth=1e9)
-    compute_bound = aot.Compiled("prefill", 0, 0, 0, 0, 0, 8e12, 10**8, "", [])  # 8e12 / (4 chips x 1e12) = 2 s
-    assert aot.estimate(compute_bound, chip, chips=4) == (2.0, 1.0)
-    memory_bound = aot.Compiled("prefill", 0, 0, 0, 0, 0, 4e12, 4 * 10**9, "", [])  # 4e9 bytes at 1e9/s = 4 s
-    assert aot.estimate(memory_bound, chip, chips=4) == (4.0, 0.25)
-    fast_hbm = dataclasses.replace(chip, hbm_bandwidth=1e10)  # 6e9 bytes a chip lacks, at 1e9/s over ICI: 6 s
-    weights = [("w", (4 * 10**9,), "bfloat16", PartitionSpec("data"), 2 * 10**9)]
-    ici_bound = aot.Compiled("prefill", 0, 0, 0, 0, 0, 4e12, 8 * 10**9, "", weights)
-    assert aot.estimate(ici_bound, fast_hbm, chips=4) == (6.0, 1 / 6)
+# a loop of 4 trips (the counter against constant(4)) whose body gathers 4 KiB, and an all-reduce of 64 bytes outside
+LOOP = """
+HloModule jit_step
+
+%cond (p: (s32[], bf16[32,64])) -> pred[] {
+  %p = (s32[], bf16[32,64]) parameter(0)
+  %trips = s32[]{:T(128)} constant(4)
+  %i = s32[] get-tuple-element(%p), index=0
+  ROOT %lt = pred[] compare(%i, %trips), direction=LT
+}
+
+%body (p: (s32[], bf16[32,64])) -> (s32[], bf16[32,64]) {
+  %p = (s32[], bf16[32,64]) parameter(0)
+  %x = bf16[8,64]{1,0} fusion(%p), kind=kLoop, calls=%slice
+  %all-gather = bf16[32,64]{1,0} all-gather(bf16[8,64]{1,0} %x), dimensions={0}
+  ROOT %t = (s32[], bf16[32,64]) tuple(%i, %all-gather)
+}
+
+ENTRY %main (a: f32[4,4]) -> f32[4,4] {
+  %a = f32[4,4]{1,0} parameter(0)
+  %loop = (s32[], bf16[32,64]) while(%init), condition=%cond, body=%body
+  ROOT %all-reduce = f32[4,4]{1,0} all-reduce(f32[4,4]{1,0} %a), replica_groups={}, to_apply=%add
+}
+"""
+
+
+def test_a_step_runs_each_loop_body_as_often_as_its_trip_count():
+    assert aot.executions(LOOP) == {"cond": 4, "body": 4, "main": 1}
+    assert aot.collectives(LOOP) == {"all-gather": (1, 32 * 64 * 2), "all-reduce": (1, 64)}
+    assert aot.collectives(LOOP, per_step=True) == {"all-gather": (4, 4 * 32 * 64 * 2), "all-reduce": (1, 64)}
+    assert aot.ici_traffic(LOOP) == 4 * 32 * 64 * 2 + 2 * 64  # a ring all-reduce moves its bytes twice
+
+
+def test_estimate_is_the_slowest_of_compute_weights_and_collectives():
+    chip = aot.Chip("test", aot.GiB, peak_flops=1e12, hbm_bandwidth=1e9, ici_bandwidth=16512.0)  # LOOP's traffic/s
+    step = lambda flops, weight_bytes: aot.Compiled("train", 0, 0, 0, 0, 0, flops, weight_bytes, LOOP, [])
+    compute_bound = aot.estimate(step(8e12, 10**8), chip, chips=4)  # 8e12 / (4 chips x 1e12) = 2 s
+    assert (compute_bound.seconds, compute_bound.mfu) == (2.0, 1.0)
+    memory_bound = aot.estimate(step(4e12, 4 * 10**9), chip, chips=4)  # 4e9 bytes at 1e9/s = 4 s
+    assert (memory_bound.seconds, memory_bound.mfu) == (4.0, 0.25)
+    ici_bound = aot.estimate(step(4e9, 0), chip, chips=4)  # 16,512 bytes a chip moves at 16,512 B/s: 1 s
+    assert (ici_bound.seconds, ici_bound.mfu, ici_bound.traffic) == (1.0, 1e-3, 16512)
 
 
 def test_bad_topology_and_missing_libtpu_say_what_to_do(monkeypatch):
@@ -104,8 +138,79 @@ def test_run_refuses_when_a_chip_would_not_hold_the_program(monkeypatch):
         aot.run(config, "v5e:2x2", "prefill", tokens=64)
 
 
+@pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu is not installed (bash launch/setup.sh --tpu-compile)")
+def test_a_program_xla_will_not_plan_is_refused_in_one_line():
+    config = tiny(base(), "qwen2", "qwen2")  # 65,536 tokens: float32 attention scores of tens of GiB a chip
+    with pytest.raises(MotJaxError, match=r"does not fit a TPU v5e chip: XLA says .* exceeds available HBM") as e:
+        aot.run(config, "v5e:2x2", "prefill", tokens=65536)
+    assert "\n" not in str(e.value)
+
+
 def test_command_fails_in_one_line_with_exit_2():
     args = ["--config=configs/qwen2_5_7b.py:tiny", "--topology=v9x:2x2"]
     done = subprocess.run([sys.executable, "-m", "mot_jax.compile", *args], capture_output=True, text=True)
     assert done.returncode == 2, done.stderr[-2000:]
     assert "Unknown TPU topology 'v9x:2x2'" in done.stderr.strip().splitlines()[-1]
+
+
+def tiny_train_config(fsdp: bool):
+    """The 7B recipe on tiny random Qwen2 models, 4 rows split over the chips, one micro-batch."""
+    config = load_config("qwen2_5_7b.py", "tiny")
+    config.batch_size, config.grad_accum, config.mesh.data, config.mesh.fsdp = 4, 1, -1, fsdp
+    return config
+
+
+@pytest.mark.slow  # XLA's TPU compile of the whole step: 1.5 to 6 minutes on a 2-core machine
+@pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu is not installed (bash launch/setup.sh --tpu-compile)")
+def test_tiny_training_step_compiles_for_v5e_2x2_with_its_state_split_over_fsdp():
+    from flax import nnx
+
+    from mot_jax.bench.flops import matmul_flops
+    from mot_jax.models.model_pair import load_pair
+    from mot_jax.training.setup import make_mesh, translation
+    from mot_jax.training.trainer import Trainer, stack
+
+    config = tiny_train_config(fsdp=True)
+    chip, devices, compiled = aot.compile_program(config, "v5e:2x2", "train")
+    assert len(devices) == 4 and compiled.temporaries > 0
+    # the FLOPs: the same step traced by the trainer on this CPU, real models and a real batch of the config's shapes
+    one_device = tiny_train_config(fsdp=False)
+    one_device.mesh.data = 1
+    mesh = make_mesh(one_device)
+    pair = load_pair(one_device, mesh)
+    spec, tcfg = translation(one_device, aot.compile_channels(one_device, pair), pair)
+    trainer = Trainer(one_device, pair, spec, tcfg, mesh, total_steps=1)
+    d = config.data
+    shapes = dict(context=d.prefix_tokens - 1, prompt=d.total_tokens - d.prefix_tokens, source_length=d.source_length)
+    batch = tiny_batch(pair.source_tokenizer, pair.target_tokenizer, batch=config.batch_size, **shapes)
+    assert compiled.flops == matmul_flops(trainer.trace_train_step(stack([batch])).jaxpr.jaxpr) > 0
+    # the frozen model once (source and target are one), the translator and its AdamW moments split over `data`
+    names = {name.split(".")[0] for name, *_ in compiled.weights}
+    assert names == {"model", "translator"}
+    translator = sum(math.prod(shape) for name, shape, *_ in compiled.weights if name.startswith("translator"))
+    assert translator == sum(x.size for x in jax.tree.leaves(nnx.state(trainer.state["params"])))
+    for name, shape, dtype, spec, per_chip in compiled.weights + compiled.optimizer:
+        assert per_chip < math.prod(shape) * np.dtype(dtype).itemsize or "data" not in spec, name
+    mu = {name.split(".mu.")[1]: spec for name, _, _, spec, _ in compiled.optimizer if ".mu." in name}
+    params = {name.removeprefix("translator."): spec for name, _, _, spec, _ in compiled.weights}
+    assert mu and all(spec == params[name.removesuffix(".value")] for name, spec in mu.items())
+    assert any("data" in spec for spec in mu.values())
+    step = aot.collectives(compiled.hlo, per_step=True)
+    assert step["all-gather"][0] > 0 and step["all-reduce"][0] > 0  # FSDP gathers; the gradients are summed
+    text = aot.report(compiled, chip, len(devices), "v5e:2x2", aot.title(config, "train", None, 4))
+    assert "AdamW state:" in text and "Estimated MFU at most" in text
+
+
+@pytest.mark.slow  # as above, one chip: 1 to 2.5 minutes
+@pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu is not installed (bash launch/setup.sh --tpu-compile)")
+def test_tiny_training_step_on_one_chip_has_no_collectives():
+    config = tiny_train_config(fsdp=True)
+    config.mesh.data = 1
+    _, devices = aot.topology("v5e:2x2")
+    traced, _, _ = aot.trace_train(config, devices)  # the mesh takes the first chip only
+    assert aot.collectives(traced.lower().compile().as_text(), per_step=True) == {}
+
+
+def test_train_takes_its_shapes_from_the_config():
+    with pytest.raises(MotJaxError, match="--config.data.total_tokens"):
+        aot.compile_program(tiny_train_config(fsdp=True), "v5e:2x2", "train", tokens=4096)

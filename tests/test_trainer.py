@@ -5,6 +5,7 @@ import threading
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 from helpers import Fixed, tiny_batch, tiny_config, trainer_for
@@ -26,6 +27,21 @@ def test_loss_goes_down_on_tiny_models(mode):
     after = trainer.evaluate(batches)
     assert after["loss"] < before["loss"] - 0.1, (before, after)
     assert after["mse_k"] + after["mse_v"] < 0.8 * (before["mse_k"] + before["mse_v"]), (before, after)
+
+
+@pytest.mark.devices(4)
+def test_translator_and_its_adamw_moments_are_split_where_the_frozen_models_are():
+    """With `mesh.fsdp` the translator takes the frozen models' rules (split over `data`), and AdamW's moments live
+    in their parameters' shardings (XLA left alone replicates them: zeros read no input)."""
+    c = tiny_config(num_experts=2, top_k=1)
+    c.batch_size, c.mesh.data, c.mesh.expert, c.mesh.fsdp = 4, 2, 2, True
+    trainer, _ = trainer_for(c, make_mesh(c), steps=1)
+    params = trainer.state["params"]
+    assert any("data" in p.sharding.spec for p in jax.tree.leaves(params))
+    for moment in ("mu", "nu"):
+        moments = optax.tree_utils.tree_get(trainer.state["opt_state"], moment)
+        placed = jax.tree.map(lambda p, m: m.sharding.is_equivalent_to(p.sharding, p.ndim), params, moments)
+        assert all(jax.tree.leaves(placed)), moment
 
 
 @pytest.mark.devices(8)

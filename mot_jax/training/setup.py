@@ -72,10 +72,13 @@ def make_datasets(config, pair: ModelPair, rows: slice = slice(None)) -> Dataset
     )
 
 
-def make_mesh(config) -> jax.sharding.Mesh:
+def make_mesh(config, devices=None) -> jax.sharding.Mesh:
+    """The run's (data, expert) mesh over `devices` (default: this run's; a TPU topology's abstract devices to
+    compile for it, `mot_jax.aot`)."""
     data_axis, expert_axis = config.mesh.data, config.mesh.expert
-    devices = jax.devices() if data_axis == -1 else jax.devices()[: data_axis * expert_axis]
-    if jax.process_count() > 1 and len(devices) != jax.device_count():
+    every = jax.devices() if devices is None else list(devices)
+    devices = every if data_axis == -1 else every[: data_axis * expert_axis]
+    if jax.process_count() > 1 and len(devices) != len(every):
         raise MotJaxError(
             f"A run of {jax.process_count()} processes uses all {jax.device_count()} devices; set "
             "--config.mesh.data=-1 (or data x expert to the device count)."

@@ -39,27 +39,42 @@ from mot_jax.translate.translator import KVTranslator
 class Trainer:
     """The jitted train and eval steps of one translator shape over a mesh, and the state they update."""
 
-    def __init__(self, config, pair: ModelPair, spec, tcfg, mesh, total_steps: int):
+    def __init__(self, config, pair: ModelPair, spec, tcfg, mesh, total_steps: int, abstract: bool = False):
+        """`abstract`: the pair's models are abstract (`build_model(abstract=True)`) and the state is made of
+        ShapeDtypeStructs in their shardings, no array anywhere: the steps then only trace, to be compiled ahead of
+        time for devices this process does not drive (`mot_jax.aot`, a TPU topology)."""
         self.config, self.pair, self.mesh = config, pair, mesh
+        rules = sharding.llm_rules(config)
         for model in (pair.source, pair.target):  # a no-op for weights loaded onto the mesh (`load_pair`)
-            sharding.shard(model, mesh, sharding.llm_rules(config))
+            sharding.shard(model, mesh, rules)
             model.remat = config.remat
-        translator = KVTranslator(spec, tcfg, rngs=nnx.Rngs(config.seed))
-        sharding.shard(translator, mesh)
+        make = lambda: KVTranslator(spec, tcfg, rngs=nnx.Rngs(config.seed))
+        translator = nnx.eval_shape(make) if abstract else make()
+        sharding.shard(translator, mesh, rules)  # with `mesh.fsdp`, it and its AdamW state split over `data` too
         self.graphdef, params = nnx.split(translator, nnx.Param)
         self.llm_graphs, self.llm_states = zip(*(nnx.split(m) for m in (pair.source, pair.target)))
         self.tx, self.schedule = adamw(config.optim, total_steps)
         rng = jax.random.key_data(jax.random.key(config.seed))
-        self.state = dict(params=params, opt_state=jax.jit(self.tx.init)(params), rng=rng)
+        replicated = NamedSharding(mesh, PartitionSpec())
+        # AdamW's moments in their parameters' shardings (left to XLA, zeros that read no input come out replicated)
+        shapes = jax.eval_shape(self.tx.init, params)
+        placed = optax.tree_map_params(
+            self.tx, lambda _, p: p.sharding, shapes, params, transform_non_params=lambda _: replicated
+        )
+        opt_state = shapes if abstract else jax.jit(self.tx.init, out_shardings=placed)(params)
+        self.state = dict(params=params, opt_state=opt_state, rng=rng)
         self.topk, self.reads_source = spec.attention_topk, spec.reads_source
         self.source_hands = spec.source_hands  # what the source hands over: K/V, layer inputs or last hidden states
         self.kind, self.total_steps = kinds.get(tcfg.kind), total_steps
         self.compute_dtype = resolve_dtype(config.dtype)
         self.weights = objective.LossWeights.from_config(config.loss)
-        replicated = NamedSharding(mesh, PartitionSpec())
         named = lambda x: x.sharding if isinstance(x.sharding, NamedSharding) else replicated
-        state_sharding = jax.tree.map(named, self.state)  # fixed, so the step compiles once
-        self.state = jax.device_put(self.state, state_sharding)
+        state_sharding = jax.tree.map(named, self.state) | dict(opt_state=placed)  # fixed: the step compiles once
+        if abstract:
+            sds = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+            self.state = jax.tree.map(sds, self.state, state_sharding)
+        else:
+            self.state = jax.device_put(self.state, state_sharding)
         self._train = jax.jit(self._train_step, donate_argnums=(0,), out_shardings=(state_sharding, None))
         self._eval = jax.jit(self._eval_step)
         self._baselines = jax.jit(self._baseline_step)
@@ -142,13 +157,15 @@ class Trainer:
         axis (1 for stacked micro-batches, else 0) over `data`; JAX infers the global batch from the mesh. Arrays
         already placed (`placed_steps`) pass through."""
         lead = (None,) if micro else ()
-        put = lambda x: (
-            x
-            if isinstance(x, jax.Array)
-            else jax.make_array_from_process_local_data(
-                NamedSharding(self.mesh, PartitionSpec(*lead, "data", *([None] * (x.ndim - len(lead) - 1)))), x
-            )
-        )
+
+        def put(x):
+            if isinstance(x, jax.Array):
+                return x
+            rows = NamedSharding(self.mesh, PartitionSpec(*lead, "data", *([None] * (x.ndim - len(lead) - 1))))
+            if isinstance(x, jax.ShapeDtypeStruct):  # an abstract batch (`abstract_batch`): its global shape
+                return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rows)
+            return jax.make_array_from_process_local_data(rows, x)
+
         return jax.tree.map(put, batch)
 
     def placed_steps(self, stream, start: int, count: int):
@@ -221,6 +238,26 @@ class Trainer:
                 var.set_value(jax.device_put(value.astype(var.dtype), var[...].sharding))
         self.state["params"] = nnx.state(translator, nnx.Param)
         return results
+
+
+def abstract_batch(config, micro_batches: int | None = None):
+    """The shapes of the config's training batch (`data.make_batch`), as ShapeDtypeStructs; with `micro_batches`,
+    that many stacked (`stack`), as a train step takes them."""
+    d, rows = config.data, config.batch_size
+    lead = () if micro_batches is None else (micro_batches,)
+    tc, tp, s = d.prefix_tokens - 1, d.total_tokens - d.prefix_tokens, d.source_length
+    shaped = lambda *shape, dtype=jnp.int32: jax.ShapeDtypeStruct((*lead, rows, *shape), dtype)
+    alignment = data.Alignment(shaped(tc, s, dtype=jnp.float32), shaped(tc), shaped(s))
+    return data.Batch(
+        shaped(tc),
+        shaped(tc, dtype=bool),
+        shaped(tp),
+        shaped(tp),
+        shaped(tp, dtype=bool),
+        shaped(s),
+        shaped(s, dtype=bool),
+        alignment,
+    )
 
 
 def add_into(totals, part):
