@@ -175,10 +175,11 @@ def sharing_jitted_steps(monkeypatch):
     built, init = [], loop.Trainer.__init__
     names = ("_train", "_eval", "_baselines", "_skip_sums")
 
-    def sharing(self, config, pair, spec, tcfg, mesh, total_steps):
-        init(self, config, pair, spec, tcfg, mesh, total_steps)
+    def sharing(self, config, pair, spec, tcfg, mesh, total_steps, **options):
+        init(self, config, pair, spec, tcfg, mesh, total_steps, **options)
         # the shapes the translator and the models are built from (their graphs hold each build's own activation)
         key = (config.to_json_best_effort(), spec, tcfg, mesh, total_steps, pair.source.config, pair.target.config)
+        key += tuple(sorted(options.items()))
         earlier = next((functions for k, functions in built if k == key), None)
         if earlier is None:
             built.append((key, {name: getattr(self, name) for name in names}))
