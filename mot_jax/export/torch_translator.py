@@ -119,6 +119,10 @@ class TorchTranslatorConfig:
     dispatch: str = "sparse"
     capacity_factor: float = 1.25
     linear_skip: bool = False  # a linear map per window layer beside the mixture or projector, output added
+    # the target's adapted queries (JAX's `receiver_rank`): an export refuses them (`export.weights`), so always 0 here
+    receiver_rank: int = 0
+    receiver_width: int = 0
+    receiver_query_width: int = 0
     mode: str = "replay"
     layer_map: tuple = ()
     sparse_attention: bool = True
