@@ -11,6 +11,17 @@ def cause(e: Exception) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
+def root_cause(e: BaseException) -> BaseException:
+    """The innermost exception `e` was raised from or while handling: what a wrapper's message only points at
+    (Orbax's "error while reading array index ... See full TensorStore details: <bound method ...>" over
+    TensorStore's "OUT_OF_RANGE: ... byte range ... is not valid for value of size 1000")."""
+    seen = {id(e)}
+    while (inner := e.__cause__ or e.__context__) is not None and id(inner) not in seen:
+        e = inner
+        seen.add(id(e))
+    return e
+
+
 class Interrupted(MotJaxError):
     """Work stopped by Ctrl-C or SIGTERM (`stopped`, the KeyboardInterrupt), said in one line with what was kept; the
     exit status is the shell's for that signal."""

@@ -3,6 +3,7 @@ line and keeps only checkpoints that are good."""
 
 import collections
 import errno
+import gc
 import json
 import math
 import os
@@ -279,6 +280,29 @@ def test_tensorboard_curves_are_written_and_a_failing_disk_stops_them_with_one_w
 
 def os_error(number):
     raise OSError(number, os.strerror(number))
+
+
+def test_a_truncated_checkpoint_array_is_one_line_naming_the_storage_error(tmp_path, monkeypatch):
+    """The line quotes TensorStore's cause (not Orbax's wrapper, whose text ends in a pybind repr), and the reads of
+    the other arrays, failing alike as they are collected, print nothing."""
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    checkpoints = Checkpoints(as_path(tmp_path), 3)
+    state = {f"w{i}": jnp.arange(4096.0) + i for i in range(8)}
+    checkpoints.save(1, state, dict(step=1))
+    checkpoints.close()
+    data = max((p for p in (tmp_path / "checkpoints" / "1" / "state").rglob("*") if p.is_file()), key=os.path.getsize)
+    os.truncate(data, 100)
+    with pytest.raises(MotJaxError) as raised:
+        Checkpoints(as_path(tmp_path), 3).restore(state)
+    assert re.fullmatch(
+        r"The checkpoint of step 1 in \S+ cannot be read \(ValueError: OUT_OF_RANGE: .* is not valid for value of size "
+        r"100\); delete that step's folder to fall back to an earlier one, or use a new --workdir.",
+        str(raised.value),
+    )
+    del raised
+    gc.collect()
+    assert not [u for u in unraisable if "_read_array" in getattr(u.object, "__qualname__", "")]
 
 
 def test_a_failed_save_of_the_last_and_the_best_checkpoint_is_one_line_error(tmp_path, monkeypatch):

@@ -10,12 +10,13 @@ next `save`, `check` or `close`; `close()` waits for them.
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from mot_jax.errors import MotJaxError, cause
+from mot_jax.errors import MotJaxError, cause, root_cause
 from mot_jax.training import saved
 
 # what the training loop and load_trained read from a checkpoint's meta (every saved version has them)
@@ -45,6 +46,22 @@ def all_finite(state) -> bool:
     """Whether every float array of `state` (params, optimizer moments) is finite: a finite loss does not say so
     (moments that overflowed leave the parameters and the loss finite, and the next update NaN)."""
     return bool(_all_finite(state))
+
+
+def quiet_orbax_reads():
+    """After a failed restore, the reads of the other arrays that Orbax had started fail alike and print their
+    tracebacks when collected ("Exception ignored in: <coroutine ... _read_array_index_and_device_put>"), dozens of
+    lines after the one-line error: from then on such reads' unraisable errors are dropped, all others still shown."""
+    hook = sys.unraisablehook
+    if getattr(hook, "quiets_orbax_reads", False):
+        return
+
+    def quiet(unraisable):
+        if getattr(unraisable.object, "__qualname__", "") != "_read_array_index_and_device_put":
+            hook(unraisable)
+
+    quiet.quiets_orbax_reads = True
+    sys.unraisablehook = quiet
 
 
 class Checkpoints:
@@ -116,7 +133,10 @@ class Checkpoints:
             raise self._unreadable(manager, step, e) from None
 
     def _unreadable(self, manager, step, error):
-        reason = error if isinstance(error, str) else f"{type(error).__name__}: {cause(error)[:200]}"
+        if not isinstance(error, str):
+            quiet_orbax_reads()
+            error = root_cause(error)
+        reason = error if isinstance(error, str) else f"{type(error).__name__}: {cause(error)[:300]}"
         return MotJaxError(
             f"The checkpoint of step {step} in {manager.directory} cannot be read ({reason}); delete that step's "
             "folder to fall back to an earlier one, or use a new --workdir."
