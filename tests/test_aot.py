@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from helpers import load_config, tiny_batch
 
-from mot_jax import aot
+from mot_jax import aot, hlo
 from mot_jax.errors import MotJaxError
 from mot_jax.training.config import base, tiny
 
@@ -34,7 +34,7 @@ ENTRY %main.1 (p0: bf16[8,64], p1: f32[2,4]) -> f32[2,4] {
 
 
 def test_collectives_counted_by_kind_with_their_result_bytes():
-    assert aot.collectives(HLO) == {
+    assert hlo.collectives(HLO) == {
         "all-gather": (1, 32 * 64 * 2),  # the pair counts once, by its gathered result
         "all-reduce": (2, 2 * 2 * 4 * 4),
         "reduce-scatter": (1, 2 * 4 * 4 + 2 * 4),
@@ -81,10 +81,10 @@ ENTRY %main (a: f32[4,4]) -> f32[4,4] {
 
 
 def test_a_step_runs_each_loop_body_as_often_as_its_trip_count():
-    assert aot.executions(LOOP) == {"cond": 4, "body": 4, "main": 1}
-    assert aot.collectives(LOOP) == {"all-gather": (1, 32 * 64 * 2), "all-reduce": (1, 64)}
-    assert aot.collectives(LOOP, per_step=True) == {"all-gather": (4, 4 * 32 * 64 * 2), "all-reduce": (1, 64)}
-    assert aot.ici_traffic(LOOP) == 4 * 32 * 64 * 2 + 2 * 64  # a ring all-reduce moves its bytes twice
+    assert hlo.executions(LOOP) == {"cond": 4, "body": 4, "main": 1}
+    assert hlo.collectives(LOOP) == {"all-gather": (1, 32 * 64 * 2), "all-reduce": (1, 64)}
+    assert hlo.collectives(LOOP, per_step=True) == {"all-gather": (4, 4 * 32 * 64 * 2), "all-reduce": (1, 64)}
+    assert hlo.ici_traffic(LOOP) == 4 * 32 * 64 * 2 + 2 * 64  # a ring all-reduce moves its bytes twice
 
 
 def test_estimate_is_the_slowest_of_compute_weights_and_collectives():
@@ -125,7 +125,7 @@ def test_tiny_config_compiles_for_v5e_2x2_with_its_weights_split_over_fsdp():
     assert tuple(spec) == (None, "data", None) and per_chip == 4 * 16 * 128 * 2
     assert compiled.arguments >= sum(b for *_, b in compiled.weights)  # the weights' shards, the ids and mask
     assert compiled.flops > 0
-    assert "all-gather" in aot.collectives(compiled.hlo)  # FSDP gathers the weights
+    assert "all-gather" in hlo.collectives(compiled.hlo)  # FSDP gathers the weights
     text = aot.report(compiled, chip, len(devices), "v5e:2x2", "tiny")
     assert "| layers.mlp.up_proj.kernel | [4, 64, 128] | bfloat16 | (None, 'data', None) |" in text
 
@@ -195,7 +195,7 @@ def test_tiny_training_step_compiles_for_v5e_2x2_with_its_state_split_over_fsdp(
     params = {name.removeprefix("translator."): spec for name, _, _, spec, _ in compiled.weights}
     assert mu and all(spec == params[name.removesuffix(".value")] for name, spec in mu.items())
     assert any("data" in spec for spec in mu.values())
-    step = aot.collectives(compiled.hlo, per_step=True)
+    step = hlo.collectives(compiled.hlo, per_step=True)
     assert step["all-gather"][0] > 0 and step["all-reduce"][0] > 0  # FSDP gathers; the gradients are summed
     text = aot.report(compiled, chip, len(devices), "v5e:2x2", aot.title(config, "train", None, 4))
     assert "AdamW state:" in text and "Estimated MFU at most" in text
@@ -208,7 +208,7 @@ def test_tiny_training_step_on_one_chip_has_no_collectives():
     config.mesh.data = 1
     _, devices = aot.topology("v5e:2x2")
     traced, _, _ = aot.trace_train(config, devices)  # the mesh takes the first chip only
-    assert aot.collectives(traced.lower().compile().as_text(), per_step=True) == {}
+    assert hlo.collectives(traced.lower().compile().as_text(), per_step=True) == {}
 
 
 def test_train_takes_its_shapes_from_the_config():
