@@ -22,8 +22,10 @@ class Events:
 
     def __init__(self, folder: epath.Path):
         from tensorboardX.event_file_writer import EventsWriter, directory_check
+        from tensorboardX.proto.event_pb2 import Event
+        from tensorboardX.summary import scalar
 
-        self.writer = None
+        self.event, self.scalar, self.writer = Event, scalar, None
         try:
             directory_check(str(folder))
             self.writer = EventsWriter(str(folder / "events"))
@@ -33,12 +35,10 @@ class Events:
     def scalars(self, step: int, values: dict, prefix: str, flush: bool):
         if self.writer is None:
             return
-        from tensorboardX.proto.event_pb2 import Event
-        from tensorboardX.summary import scalar
-
         try:
             for k, v in values.items():
-                self.writer.write_event(Event(wall_time=time.time(), step=step, summary=scalar(f"{prefix}/{k}", v)))
+                summary = self.scalar(f"{prefix}/{k}", v)
+                self.writer.write_event(self.event(wall_time=time.time(), step=step, summary=summary))
             if flush:
                 self.writer.flush()
         except OSError as e:
