@@ -211,6 +211,7 @@ class Translated(Method):
     def __init__(self, name: str, translator, workdir: str, step: int):
         self.name, self.translator, self.workdir, self.step = name, translator, workdir, step
         self.load = {}  # "key" / "value" (mot_h: "hidden") -> tokens routed to each expert, summed over the evaluation
+        self.adapted = (None, None)  # (a target, it with the queries the translator adapted): made once (`reader`)
 
     @property
     def answerer(self):
@@ -221,7 +222,7 @@ class Translated(Method):
         (`translate/receiver.py`; made once per target)."""
         if not self.translator.cfg.receiver_rank:
             return models, settings
-        if getattr(self, "adapted", (None,))[0] is not models.target:
+        if self.adapted[0] is not models.target:
             self.adapted = (models.target, self.translator.receiver(models.target))
         return dataclasses.replace(models, target=self.adapted[1]), settings
 
