@@ -4,9 +4,10 @@ with each target-side input), greedy generation from a prompt and from a transla
 and hand-over, the attention loss's recorded reads, the recompute of chosen slots, and the logits of a plain forward.
 
 `tests/test_method_outputs.py` compares them with `tests/fixtures/method_outputs.npz`, saved from the code before
-the model layer's hooks replaced its translator-specific arguments; `python tests/method_outputs.py OUT.npz` saves
-them from the code checked out (run it on two commits and compare the files to check that a change keeps every output
-bit for bit on one machine).
+the model layer's hooks replaced its translator-specific arguments (a kind registered since, from the commit that added
+it); `python tests/method_outputs.py OUT.npz` saves them from the code checked out (run it on two commits and compare
+the files to check that a change keeps every output bit for bit on one machine), and `python tests/method_outputs.py
+--add tests/fixtures/method_outputs.npz` adds the outputs the fixture lacks (a new kind's), leaving the others as saved.
 """
 
 from __future__ import annotations
@@ -110,5 +111,12 @@ if __name__ == "__main__":
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     os.environ["XLA_FLAGS"] = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
     jax.config.update("jax_default_matmul_precision", "highest")
-    np.savez_compressed(sys.argv[1], **compute())
-    print(f"saved {sys.argv[1]}")
+    if sys.argv[1] == "--add":
+        path = Path(sys.argv[2])
+        saved = dict(np.load(path))
+        added = {name: value for name, value in compute().items() if name not in saved}
+        np.savez_compressed(path, **saved, **added)
+        print(f"added {sorted(added)} to {path}")
+    else:
+        np.savez_compressed(sys.argv[1], **compute())
+        print(f"saved {sys.argv[1]}")
