@@ -30,7 +30,7 @@ from mot_jax.models.generation import decode_step
 from mot_jax.models.model_pair import load_pair
 from mot_jax.models.registry import hf_state_dict
 from mot_jax.training import config as config_lib
-from mot_jax.training import loop
+from mot_jax.training import loop, optim
 from mot_jax.training.channel_search import resolve_channels
 from mot_jax.training.data import make_batch
 from mot_jax.training.setup import translation
@@ -191,7 +191,11 @@ def sharing_jitted_steps(monkeypatch):
 
 def whole_and_resumed(config, root, monkeypatch, stop_after: int):
     """`config` trained in root/whole at once and in root/resumed stopped by Ctrl-C after step `stop_after` and run
-    again: (the whole run's summary, [the whole run's trained translator, the resumed run's])."""
+    again: (the whole run's summary, [the whole run's trained translator, the resumed run's]). The update after the
+    interruption must have a nonzero rate (the schedule's last has none), or a resume that lost the optimizer's
+    moments would end where the whole run ends."""
+    rate = optim.warmup_cosine(config.optim.learning_rate, config.optim.warmup_steps, config.steps)(stop_after)
+    assert float(rate) > 0, f"step {stop_after + 1} of {config.steps} has rate 0: train at least {stop_after + 2} steps"
     sharing_jitted_steps(monkeypatch)
     whole = loop.train_and_evaluate(config, root / "whole")
     step, calls = loop.Trainer.train_step, []

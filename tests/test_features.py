@@ -80,10 +80,10 @@ def test_cached_features_and_step_equal_live(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_a_cached_run_resumes_exactly(tmp_path, monkeypatch):
-    """The tiny K/V-space run from the feature cache: 2 steps at once and 2 stopped after step 1 and resumed give the
+    """The tiny K/V-space run from the feature cache: 3 steps at once and 3 stopped after step 1 and resumed give the
     same translator (the second run builds nothing: the cache is shared)."""
     monkeypatch.setattr(features, "cache_root", lambda: tmp_path / "cache")
-    config = kv_config(steps=2, checkpoint_every=1)
+    config = kv_config(steps=3, checkpoint_every=1)
     whole, trained = whole_and_resumed(config, tmp_path, monkeypatch, stop_after=1)
     assert "ce" in whole["final_validation"]  # validation still reports the CE
     assert len(list((tmp_path / "cache" / "features").glob("[!.]*"))) == 2  # built once, for both runs

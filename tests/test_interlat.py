@@ -250,11 +250,11 @@ def test_the_target_own_token_embeddings_give_the_native_cache_and_generation(na
 
 @pytest.mark.slow
 def test_a_tiny_run_trains_resumes_and_evaluates(tmp_path, monkeypatch):
-    """smollm2_gemma3.py:interlat,tiny: 2 steps at once and 2 stopped after step 1 and resumed give the same adapter
+    """smollm2_gemma3.py:interlat,tiny: 3 steps at once and 3 stopped after step 1 and resumed give the same adapter
     (the dropout keys included); the loss logs the reference's terms; the evaluation names it Interlat, beside its
     shuffled-source control, times the target's forward over the latents in its TTFT and counts the hidden states
     handed over."""
-    config = load_config("smollm2_gemma3.py", "interlat,tiny", steps=2, checkpoint_every=1)
+    config = load_config("smollm2_gemma3.py", "interlat,tiny", steps=3, checkpoint_every=1)
     whole, trained = whole_and_resumed(config, tmp_path, monkeypatch, stop_after=1)
     assert isinstance(trained[0].adapter, interlat.Adapter) and trained[0].spec.source_reads is kinds.LAST_HIDDEN
     for a, b in zip(*(jax.tree.leaves(nnx.state(t, nnx.Param)) for t in trained), strict=True):

@@ -120,9 +120,9 @@ def test_builds_and_translates_a_tiny_batch_into_the_targets_cache_from_the_sour
 
 @pytest.mark.slow
 def test_trains_resumes_evaluates_and_exports(kind, tmp_path, monkeypatch):
-    """2 steps at once and 2 stopped after step 1 and resumed give the same translator; the evaluation names it and
+    """3 steps at once and 3 stopped after step 1 and resumed give the same translator; the evaluation names it and
     its shuffled-source control; export writes a folder the torch side loads, or refuses in one line."""
-    config = tiny_config(kind, steps=2, checkpoint_every=1)
+    config = tiny_config(kind, steps=3, checkpoint_every=1)
     whole, trained = whole_and_resumed(config, tmp_path, monkeypatch, stop_after=1)
     assert np.isfinite(whole["final_validation"]["loss"])
     assert trained[0].cfg.to_dict() == trained[1].cfg.to_dict() and trained[0].cfg.kind == kind.name

@@ -92,8 +92,8 @@ def test_it_refuses_replay_a_missing_linear_skip_and_a_negative_weight():
 
 
 @pytest.mark.slow
-def test_qwen_coder_kvp_tiny_trains_two_steps(tmp_path, monkeypatch):
-    config = load_config("qwen_coder.py", "kvp,tiny", steps=2, checkpoint_every=1)
+def test_qwen_coder_kvp_tiny_trains_three_steps(tmp_path, monkeypatch):
+    config = load_config("qwen_coder.py", "kvp,tiny", steps=3, checkpoint_every=1)
     whole, trained = whole_and_resumed(config, tmp_path, monkeypatch, stop_after=1)
     assert np.isfinite(whole["final_validation"]["loss"])
     assert trained[0].cfg.kind == "kv_prediction" and trained[0].spec.native_bottom == 0

@@ -153,9 +153,9 @@ def test_refused_switches_in_one_line():
 
 @pytest.mark.slow
 def test_a_tiny_run_trains_and_resumes(tmp_path, monkeypatch):
-    """smollm2_gemma3.py:lsc,tiny: 2 steps at once and 2 stopped after step 1 and resumed give the same
+    """smollm2_gemma3.py:lsc,tiny: 3 steps at once and 3 stopped after step 1 and resumed give the same
     translators."""
-    config = load_config("smollm2_gemma3.py", "lsc,tiny", steps=2, checkpoint_every=1)
+    config = load_config("smollm2_gemma3.py", "lsc,tiny", steps=3, checkpoint_every=1)
     t = config.translator
     assert (t.kind, t.mode, config.loss.correction_weight) == ("lsc", "direct", 0)
     whole, trained = whole_and_resumed(config, tmp_path, monkeypatch, stop_after=1)

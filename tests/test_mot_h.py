@@ -169,10 +169,10 @@ def test_the_native_residual_stream_gives_the_native_cache_and_generation():
 
 @pytest.mark.slow
 def test_a_tiny_run_trains_resumes_and_evaluates(tmp_path, monkeypatch):
-    """smollm2_gemma3.py:mot_h,tiny: 2 steps at once and 2 stopped after step 1 and resumed give the same mixture;
+    """smollm2_gemma3.py:mot_h,tiny: 3 steps at once and 3 stopped after step 1 and resumed give the same mixture;
     the evaluation names it MoT-h, beside its shuffled-source control, and times the target's forward over the context
     in its TTFT."""
-    config = load_config("smollm2_gemma3.py", "mot_h,tiny", steps=2, checkpoint_every=1)
+    config = load_config("smollm2_gemma3.py", "mot_h,tiny", steps=3, checkpoint_every=1)
     whole, trained = whole_and_resumed(config, tmp_path, monkeypatch, stop_after=1)
     assert isinstance(trained[0].hidden, MixtureOfTranslators) and trained[0].spec.source_reads is kinds.LAYER_INPUTS
     for a, b in zip(*(jax.tree.leaves(nnx.state(t, nnx.Param)) for t in trained), strict=True):
