@@ -165,7 +165,7 @@ class CausalLM(nnx.Module):
     """
 
     config: ModelConfig
-    remat: str = "none"  # a REMAT_POLICIES name for the layer scan (training a translator through a large target)
+    remat: str = "none"  # a REMAT_POLICIES name for the layer scan (backpropagating through a large model)
 
     def init_cache(self, batch, capacity, dtype=None):
         cfg = self.config
