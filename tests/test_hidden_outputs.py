@@ -32,14 +32,14 @@ FAMILIES = [  # one variant each, the quirks of K: GQA, q/k norms, sliding local
 
 
 @jit
-def window_key_values(model, x, positions):
+def layer_key_values(model, x, positions):
     layers = tuple(range(model.config.num_layers))
-    return model.window_key_values(layers, x, x, positions)
+    return model.layer_key_values(layers, x, x, positions)
 
 
 @pytest.mark.parametrize("family, variant", FAMILIES)
 def test_native_layer_inputs_give_the_targets_own_kv(tmp_path, family, variant):
-    """Every layer's input residual stream from transformers (hidden_states[l]) through `window_key_values` gives
+    """Every layer's input residual stream from transformers (hidden_states[l]) through `layer_key_values` gives
     the K/V transformers caches at that layer."""
     reference = save_tiny(CONFIGS[family][variant](), tmp_path)
     model = load_model(str(tmp_path))[0]
@@ -53,7 +53,7 @@ def test_native_layer_inputs_give_the_targets_own_kv(tmp_path, family, variant):
             output_hidden_states=True,
         )
     inputs = np.stack([h.numpy() for h in out.hidden_states[: model.config.num_layers]], 2)  # [B, T, L, D]
-    k, v = window_key_values(model, jnp.asarray(inputs), jnp.asarray(positions_for(mask)))
+    k, v = layer_key_values(model, jnp.asarray(inputs), jnp.asarray(positions_for(mask)))
     valid = mask.astype(bool)
     for got, want in ((k, want_k), (v, want_v)):  # got [B, T, L, K, d], want [L, B, K, T, d]
         np.testing.assert_allclose(np.asarray(got)[valid], want.transpose(1, 3, 0, 2, 4)[valid], atol=1e-5)
@@ -112,7 +112,7 @@ def test_the_least_squares_start_fits_the_normalised_native_layer_inputs(random_
     kernel, bias, before, after = solve_linear_skip(sums["value"], ridge=0.0)
     assert after < before
 
-    _, features = run_native_bottom(translator.spec, target, context, mask, target.init_cache(*context.shape))
+    _, features = run_native_bottom(translator.spec, target, context, mask)
     x = np.asarray(window_inputs(translator.spec, source, target, frozen[0], batch.alignment, features)[1])
     inputs = target.run_layers(Forward(context, mask), hooks=[LayerInputs()]).records["inputs"]
     want = np.asarray(rms_normalized(inputs[jnp.asarray(translator.spec.target_layers)].transpose(1, 2, 0, 3)))
@@ -132,8 +132,8 @@ def test_positions_reach_the_targets_rope():
     target = tiny.load("random:gemma3")[0]
     x = jax.random.normal(jax.random.key(0), (1, 5, 1, target.config.hidden_size))
     positions = positions_from_mask(jnp.ones((1, 5), bool))
-    k0, v0 = target.window_key_values((1,), x, x, positions)
-    k1, v1 = target.window_key_values((1,), x, x, positions + 3)
+    k0, v0 = target.layer_key_values((1,), x, x, positions)
+    k1, v1 = target.layer_key_values((1,), x, x, positions + 3)
     np.testing.assert_array_equal(np.asarray(v0), np.asarray(v1))
     assert not np.allclose(np.asarray(k0), np.asarray(k1), atol=1e-3)
 

@@ -45,7 +45,7 @@ def window_error(translator, source, target, batch, frozen):
     source_cache, _, native = frozen
     mask = jnp.asarray(batch.context_mask)
     context = jnp.asarray(batch.context)
-    _, features = run_native_bottom(translator.spec, target, context, mask, target.init_cache(*context.shape))
+    _, features = run_native_bottom(translator.spec, target, context, mask)
     k, v, _ = translate_window(translator, source, target, source_cache, batch.alignment, mask, features)
     layers = np.asarray(translator.spec.target_layers)
     tokens = mask.at[:, 0].set(False)
@@ -130,7 +130,7 @@ def test_the_statistics_hold_the_shared_features_products_once_for_the_window(pa
     source_cache, _, native = frozen_forwards(source, target, batch, topk=0)
     mask, context = jnp.asarray(batch.context_mask), jnp.asarray(batch.context)
     sums = jax.device_get(skip_sums(translator, source, target, source_cache, batch.alignment, native, mask, context))
-    _, features = run_native_bottom(spec, target, context, mask, target.init_cache(*context.shape))
+    _, features = run_native_bottom(spec, target, context, mask)
     joined = window_inputs(spec, source, target, source_cache, batch.alignment, features)
     first = np.arange(mask.shape[1]) == np.asarray(first_valid_index(mask))[:, None]  # each row's first token: left out
     weight = (np.asarray(mask) & ~first).astype(np.float64)[:, :, None, None]

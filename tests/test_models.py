@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from hf_reference import CONFIGS, padded_batch, run_reference, save_tiny
+from hf_reference import CONFIGS, padded_batch, positions_for, run_reference, save_tiny
 
 from mot_jax.models.cache import stack_rows
 from mot_jax.models.generation import (
@@ -240,6 +240,63 @@ def test_blocked_prefill_equals_full_attention(pair, monkeypatch):
     np.testing.assert_allclose(np.asarray(blocked.k), np.asarray(full.k), atol=1e-5, rtol=0)
     valid = np.asarray(mask, bool)
     np.testing.assert_array_equal(np.asarray(blocked_topk)[:, valid], np.asarray(full_topk)[:, valid])
+
+
+def test_bottom_layers_over_a_context_are_the_full_forwards(pair):
+    """`run_bottom`: layers 0..stop-1 hold the full forward's K/V of the context's tokens, those above stay empty,
+    and the residual stream after them makes layer stop's K/V as the full forward has them; stop = 0 records the
+    context's slots alone."""
+    _, model, _ = pair
+    ids, mask = padded_batch(model.config.vocab_size, seed=7)
+    ids, mask, valid = jnp.asarray(ids), jnp.asarray(mask, bool), mask.astype(bool)
+    _, full = model(ids, mask)
+    stop = 1
+    cache, hidden = model.run_bottom(ids, mask, stop, capacity=16)
+    tokens = lambda a: np.asarray(a)[:, :, :, :12].transpose(1, 3, 0, 2, 4)[valid]  # [tokens, L, K, d]
+    for got, want in ((cache.k, full.k), (cache.v, full.v)):
+        np.testing.assert_allclose(tokens(got)[:, :stop], tokens(want)[:, :stop], atol=1e-5, rtol=0)
+        assert not np.asarray(got[stop:]).any() and not np.asarray(got[:, :, :, 12:]).any()
+    k, v = model.layer_key_values([stop], hidden[:, :, None], hidden[:, :, None], jnp.asarray(positions_for(mask)))
+    np.testing.assert_allclose(np.asarray(k[:, :, 0])[valid], tokens(full.k)[:, stop], atol=1e-4, rtol=0)
+    np.testing.assert_allclose(np.asarray(v[:, :, 0])[valid], tokens(full.v)[:, stop], atol=1e-4, rtol=0)
+    slots, none = model.run_bottom(ids, mask, 0, capacity=16)
+    assert none is None and not np.asarray(slots.k).any()
+    np.testing.assert_array_equal(np.asarray(slots.valid[:, :12]), valid)
+    np.testing.assert_array_equal(np.asarray(slots.positions[:, :12])[valid], positions_for(mask)[valid])
+
+
+def test_a_lone_tokens_key_values_are_a_contexts_first_tokens(pair):
+    """A context's first token attends to itself alone, so read alone (`lone_key_values`) it has the K/V the full
+    forward gives it, at any index of a padded row."""
+    _, model, _ = pair
+    ids, mask = padded_batch(model.config.vocab_size, seed=8)
+    _, full = model(jnp.asarray(ids), jnp.asarray(mask))
+    first = np.argmax(mask, 1)  # row 1 is left-padded: its first token is at 4
+    layers = list(range(model.config.num_layers))[::-1]  # any order
+    k, v = model.lone_key_values(jnp.asarray(ids), jnp.asarray(first), layers)
+    rows = np.arange(len(first))
+    for got, want in ((k, full.k), (v, full.v)):
+        want = np.asarray(want)[layers][:, rows, :, first]  # [B, W, K, d]
+        np.testing.assert_allclose(np.asarray(got)[:, :, :, 0].transpose(1, 0, 2, 3), want, atol=1e-5, rtol=0)
+
+
+def test_rotating_keys_back_leaves_them_position_free(pair):
+    """Keys made at positions p and rotated by -p (`rotate_keys`) are the keys made at position 0, where no rotation
+    applies, for every layer (Gemma-3's sliding layers use their own RoPE); a model without RoPE keeps them."""
+    _, model, _ = pair
+    layers = tuple(range(model.config.num_layers))
+    x = jax.random.normal(jax.random.key(0), (2, 6, len(layers), model.config.hidden_size))
+    positions = jnp.asarray(np.random.default_rng(9).integers(0, 50, size=(2, 6)))
+    k, _ = model.layer_key_values(layers, x, x, positions)
+    k0, _ = model.layer_key_values(layers, x, x, jnp.zeros_like(positions))
+    np.testing.assert_allclose(
+        np.asarray(model.rotate_keys(k, -positions, layers)), np.asarray(k0), atol=1e-5, rtol=1e-5
+    )
+    np.testing.assert_allclose(
+        np.asarray(model.rotate_keys(k0, positions, layers)), np.asarray(k), atol=1e-5, rtol=1e-5
+    )
+    if not model.config.rotary:
+        assert model.rotate_keys(k, positions, layers) is k
 
 
 def test_random_model_takes_a_checkpoint_directorys_shapes_and_tokenizer(tmp_path):

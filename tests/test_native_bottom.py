@@ -171,7 +171,7 @@ def test_a_linear_translator_is_its_skip_alone(hf_pair, batch):
     for skip in (linear.key_skip, linear.value_skip):
         skip.kernel.set_value(jax.random.normal(jax.random.key(0), skip.kernel.shape))
     got = run(linear, source, target, ids, mask)
-    features = run_native_bottom(linear.spec, target, ids, mask, target.init_cache(*ids.shape))[1]
+    features = run_native_bottom(linear.spec, target, ids, mask)[1]
     x = window_inputs(
         linear.spec,
         source,

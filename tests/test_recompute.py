@@ -10,7 +10,6 @@ import pytest
 from mot_jax.models import tiny
 from mot_jax.models.generation import prefill
 from mot_jax.translate.recompute import chosen_slots, deviation, recompute, recompute_count
-from mot_jax.translate.window import bottom_run
 
 START = 2  # the dial's B: layers 0..1 exact, 2..3 "translated"
 
@@ -32,7 +31,7 @@ def contexts(target, lengths=(40, 33)):
 def translated(target, ids, mask, native):
     """The dial's cache: the target's own bottom START layers, random K/V above (a translation that got all wrong),
     and the residual stream before layer START."""
-    cache, hidden = bottom_run(target, ids, mask, START, target.init_cache(ids.shape[0], native.capacity))
+    cache, hidden = target.run_bottom(ids, mask, START, native.capacity)
     noise = lambda key, kv: kv.at[START:].set(jax.random.normal(key, kv[START:].shape, kv.dtype))
     return cache.replace(k=noise(jax.random.key(1), native.k), v=noise(jax.random.key(2), native.v)), hidden
 

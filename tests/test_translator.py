@@ -114,7 +114,7 @@ def test_unrotated_window_is_position_free(hf_pair):
     cache, _ = source_prefill(source, ids, mask)
     freq = rope_table(source.config)
     layers = (0, 2)
-    unrotated = window_block(cache.k, layers, cache.positions, freq)
+    unrotated = window_block(cache.k, layers, source, cache.positions)
     # rotating back by the positions gives the cached (post-RoPE) keys again
     heads = unrotated.reshape(*unrotated.shape[:3], source.config.num_kv_heads, -1)
     again = jnp.stack([apply_rope(heads[:, :, i], cache.positions, freq[li]) for i, li in enumerate(layers)], 2)

@@ -245,8 +245,8 @@ class Translated(Method):
 
     def translate(self, models, contexts, read: SourceRead, capacity, watch):
         """(target cache, aux) of the translator writing the contexts' target grid from `read` (`read_source`). The
-        target's own bottom layers over the contexts (the dial's, `bottom_run`) run once per batch for every method
-        that reads them (a translator, its shuffled-source control, another run's translator at that bottom)."""
+        target's own bottom layers over the contexts (the dial's, `CausalLM.run_bottom`) run once per batch for every
+        method that reads them (a translator, its shuffled-source control, another run's translator at that bottom)."""
         spec, side = self.translator.spec, None
         if self.window_path:
             args = (models.target, contexts.ids, contexts.mask)

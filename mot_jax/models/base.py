@@ -165,7 +165,7 @@ class CausalLM(nnx.Module):
     """
 
     config: ModelConfig
-    remat: str = "none"  # a REMAT_POLICIES name for the layer scan (training a translator through a large target)
+    remat: str = "none"  # a REMAT_POLICIES name for the layer scan (backpropagating through a large model)
 
     def init_cache(self, batch, capacity, dtype=None):
         cfg = self.config
@@ -282,7 +282,24 @@ class CausalLM(nnx.Module):
     def final_norm(self, x):
         return x
 
-    def window_key_values(self, layers, x_k, x_v, positions):
+    def run_bottom(self, ids, mask, stop: int, capacity: int):
+        """Layers `0..stop-1` over the context `ids` [B, T] (padding per `mask`, bool) into an empty cache of
+        `capacity` slots: (that cache, the residual stream after them [B, T, D]; None when stop = 0, where the cache
+        holds the context's slots and no K/V)."""
+        cache = self.init_cache(ids.shape[0], capacity)
+        if stop:
+            run = self.run_layers(Forward(ids, mask, fresh=True, stop=stop), cache)
+            return run.cache, run.hidden
+        return cache.append_slots(positions_from_mask(mask), mask), None
+
+    def lone_key_values(self, ids, index, layers):
+        """K and V at `layers`, each [W, B, K, 1, d], of each row's token at `index` [B] of `ids` [B, T] read alone,
+        as a context of its own."""
+        cache = self.run_layers(Forward(ids[jnp.arange(ids.shape[0]), index][:, None])).cache
+        pick = jnp.asarray(layers)
+        return cache.k[pick], cache.v[pick]
+
+    def layer_key_values(self, layers, x_k, x_v, positions):
         """K and V [B, T, W, K, d] of the W `layers` (keys as cached: normed and rotated by the layer itself) from
         residual-stream inputs x_k and x_v [B, T, W, D], each as its layer's own forward computes them."""
         graphdef, stacked = nnx.split(self.layers)
@@ -294,6 +311,12 @@ class CausalLM(nnx.Module):
 
         chosen = jax.tree.map(lambda a: a[picked], stacked)
         return jax.vmap(one, in_axes=(0, 0, 2, 2), out_axes=2)(chosen, picked, x_k, x_v)
+
+    def rotate_keys(self, k, positions, layers):
+        """Keys k [B, T, W, K, d] of the W `layers`, each rotated as its layer rotates keys at `positions` [B, T]
+        (negated positions undo that rotation). Keys of a model without RoPE carry no position: they stay as they
+        are (a rotary family overrides this)."""
+        return k
 
 
 def positions_from_mask(mask):

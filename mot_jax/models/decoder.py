@@ -186,6 +186,11 @@ class RotaryLM(CausalLM):
         tables = [rope_tables(positions, f, self.param_dtype) for f in freqs]
         return layer_rope, jnp.stack([c for c, _ in tables]), jnp.stack([s for _, s in tables])
 
+    def rotate_keys(self, k, positions, layers):
+        """See `CausalLM.rotate_keys`: each layer's own RoPE (Gemma-3's sliding layers have their own)."""
+        inv_freq = rope_table(self.config)
+        return jnp.stack([apply_rope(k[:, :, i], positions, inv_freq[li]) for i, li in enumerate(layers)], 2)
+
     def token_embeddings(self, ids):
         x = self.embed_tokens(ids)
         return x if self.config.embed_scale == 1.0 else x * jnp.asarray(self.config.embed_scale, x.dtype)

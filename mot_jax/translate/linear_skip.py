@@ -18,8 +18,8 @@ from mot_jax.translate.translator import KVTranslator
 from mot_jax.translate.window import (
     join_shared,
     rms_normalized,
-    rotary_tables,
     run_native_bottom,
+    unrotated,
     window_block,
     window_parts,
 )
@@ -36,7 +36,7 @@ def linear_skip_sums(
     the window layers' RMS-normalised native inputs, less the mixture's output. The shared features' products are
     one [F - ds, F - ds] block for the whole window, not one per layer (they are most of the inputs)."""
     spec = translator.spec
-    _, features = run_native_bottom(spec, target, target_ids, mask, target.init_cache(*target_ids.shape))
+    _, features = run_native_bottom(spec, target, target_ids, mask)
     *own, shared = window_parts(spec, source, target, source_cache, alignment, features)
     if spec.kv_from_hidden:  # the window layers' native inputs, RMS-normalised (their norms ignore the scale)
         below = Forward(target_ids, mask, stop=max(spec.target_layers) + 1)
@@ -44,9 +44,9 @@ def linear_skip_sums(
         layer_input = rms_normalized(every[jnp.asarray(spec.target_layers)].transpose(1, 2, 0, 3))
         wanted = (layer_input, layer_input)
     else:
-        _, target_freq = rotary_tables(spec, source, target)
+        rotated_by = target if unrotated(spec, source, target) else None
         wanted = (
-            window_block(native.k, spec.target_layers, positions_from_mask(mask), target_freq),
+            window_block(native.k, spec.target_layers, rotated_by, positions_from_mask(mask)),
             window_block(native.v, spec.target_layers),
         )
     weight = (mask & (jnp.arange(mask.shape[1]) != first_valid_index(mask)[:, None])).astype(jnp.float32)

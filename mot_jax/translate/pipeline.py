@@ -21,7 +21,7 @@ from mot_jax.translate import align as alignment_lib
 from mot_jax.translate.recompute import check_share, recompute
 from mot_jax.translate.spec import TranslationSpec
 from mot_jax.translate.translator import KVTranslator, source_read, translate
-from mot_jax.translate.window import bottom_run, target_side
+from mot_jax.translate.window import target_side
 
 
 @jit(static_argnames=("topk", "layer_inputs", "last_hidden"))
@@ -53,9 +53,9 @@ def translate_jit(
 
 @jit(static_argnames=("native_bottom", "capacity"))
 def bottom_run_jit(target, target_ids, target_mask, *, native_bottom, capacity):
-    """`bottom_run` into an empty cache of `capacity` slots, jitted: the target's own bottom layers over the context."""
-    cache = target.init_cache(target_ids.shape[0], capacity)
-    return bottom_run(target, target_ids, target_mask.astype(bool), native_bottom, cache)
+    """`CausalLM.run_bottom` into an empty cache of `capacity` slots, jitted: the target's own bottom layers over the
+    context."""
+    return target.run_bottom(target_ids, target_mask.astype(bool), native_bottom, capacity)
 
 
 @jit(static_argnames=("spec", "capacity"))

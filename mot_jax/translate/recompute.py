@@ -46,7 +46,7 @@ def deviation(target: CausalLM, cache: KVCache, hidden, mask, start: int):
     """[B, T] how far the cache's K/V of each context token at layer `start` are from the target's own, computed from
     `hidden` [B, T, D], its residual stream before that layer (context slots [0, T), right after its first)."""
     length = mask.shape[1]
-    k, v = target.window_key_values([start], hidden[:, :, None], hidden[:, :, None], positions_from_mask(mask))
+    k, v = target.layer_key_values([start], hidden[:, :, None], hidden[:, :, None], positions_from_mask(mask))
     own = (k[:, :, 0].astype(jnp.float32), v[:, :, 0].astype(jnp.float32))  # [B, T, K, d]
     held = (cache.k[start, :, :, :length], cache.v[start, :, :, :length])  # [B, K, T, d]
     valid = mask.astype(bool)

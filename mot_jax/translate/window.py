@@ -13,10 +13,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from mot_jax.errors import MotJaxError
-from mot_jax.models import decoder
 from mot_jax.models.base import CausalLM, first_valid_index, positions_from_mask
-from mot_jax.models.hooks import Forward
-from mot_jax.models.layers import apply_rope
 from mot_jax.translate import align as alignment_lib
 
 alignment_lib.register_pytree()  # alignments enter jitted code here
@@ -45,34 +42,18 @@ def check_native_bottom(native_bottom, num_target_layers, mode="direct", inputs=
         )
 
 
-def rope_or_none(model: CausalLM):
-    return decoder.rope_table(model.config) if model.config.rotary else None
+def unrotated(spec, source: CausalLM, target: CausalLM) -> bool:
+    """Whether keys are translated un-rotated: the spec asks for it (`spec.rotary`) and both models rotate keys."""
+    return spec.rotary and source.config.rotary and target.config.rotary
 
 
-def window_block(cache_kv, layers, positions=None, inv_freq=None):
-    """[L, B, K, S, d] -> the window layers as [B, S, W, K * d]; un-rotated by -positions when given tables."""
+def window_block(cache_kv, layers, rotated_by: CausalLM | None = None, positions=None):
+    """[L, B, K, S, d] -> the window layers as [B, S, W, K * d]; keys un-rotated from `positions` [B, S] when
+    `rotated_by`, the model whose cache it is, is given."""
     x = cache_kv[jnp.asarray(layers)].transpose(1, 3, 0, 2, 4)  # [B, S, W, K, d]
-    if inv_freq is not None:
-        x = jnp.stack([apply_rope(x[:, :, i], -positions, inv_freq[li]) for i, li in enumerate(layers)], 2)
+    if rotated_by is not None:
+        x = rotated_by.rotate_keys(x, -positions, layers)
     return x.reshape(*x.shape[:3], -1)
-
-
-def first_token_kv(target: CausalLM, target_ids, first, layers):
-    """The target's own K/V at `layers` of each row's first token (at index `first` [B]), each [W, B, Kt, 1, dt].
-    The first token attends only to itself, so its K/V depend on that token alone (a BOS: the attention sink every
-    later token reads) and are computed exactly, not translated."""
-    cache = target.run_layers(Forward(target_ids[jnp.arange(target_ids.shape[0]), first][:, None])).cache
-    pick = jnp.asarray(layers)
-    return cache.k[pick], cache.v[pick]
-
-
-def rotary_tables(spec, source: CausalLM, target: CausalLM):
-    """(source, target) RoPE tables when keys are translated un-rotated (spec.rotary and both models rotary), else
-    (None, None)."""
-    source_freq, target_freq = rope_or_none(source), rope_or_none(target)
-    if spec.rotary and source_freq is not None and target_freq is not None:
-        return source_freq, target_freq
-    return None, None
 
 
 def rms_normalized(x):
@@ -80,18 +61,9 @@ def rms_normalized(x):
     return x * jax.lax.rsqrt(jnp.mean(jnp.square(x), -1, keepdims=True) + 1e-6)
 
 
-def bottom_run(target: CausalLM, target_ids, mask, native_bottom: int, cache):
-    """The target's own layers `0..native_bottom-1` over the context into `cache` (empty): (the cache, the residual
-    stream after them [B, T, D]; None when native_bottom = 0)."""
-    if native_bottom:
-        run = target.run_layers(Forward(target_ids, mask, fresh=True, stop=native_bottom), cache)
-        return run.cache, run.hidden
-    return cache.append_slots(positions_from_mask(mask), mask), None
-
-
 def target_features(spec, target: CausalLM, target_ids, mask, hidden):
     """The target-side features the translator reads ([B, T, F]; None when it reads the source alone), from the
-    residual stream after the native bottom (`bottom_run`'s)."""
+    residual stream after the native bottom (`CausalLM.run_bottom`'s)."""
     features = []
     if "embeddings" in spec.inputs:
         features.append(rms_normalized(target.embed(target_ids, positions_from_mask(mask))))
@@ -100,10 +72,10 @@ def target_features(spec, target: CausalLM, target_ids, mask, hidden):
     return jnp.concatenate(features, -1) if features else None
 
 
-def run_native_bottom(spec, target: CausalLM, target_ids, mask, cache):
-    """The target's own layers `0..native_bottom-1` over the context into `cache` (empty), and the target-side
-    features the translator reads ([B, T, F], None when it reads the source alone)."""
-    cache, hidden = bottom_run(target, target_ids, mask, spec.native_bottom, cache)
+def run_native_bottom(spec, target: CausalLM, target_ids, mask):
+    """The target's own layers `0..native_bottom-1` over the context into a cache of its length, and the
+    target-side features the translator reads ([B, T, F], None when it reads the source alone)."""
+    cache, hidden = target.run_bottom(target_ids, mask, spec.native_bottom, target_ids.shape[1])
     return cache, target_features(spec, target, target_ids, mask, hidden)
 
 
@@ -112,8 +84,8 @@ def window_parts(spec, source: CausalLM, target: CausalLM, source_cache, alignme
     the target grid [B, T, W, ds] (width 0 unless `spec.reads_source`), and the target-side `features` [B, T, Ft] that
     every window layer reads alike (or None)."""
     if spec.reads_source:
-        source_freq, _ = rotary_tables(spec, source, target)
-        k = window_block(source_cache.k, spec.source_layers, source_cache.positions, source_freq)
+        rotated_by = source if unrotated(spec, source, target) else None
+        k = window_block(source_cache.k, spec.source_layers, rotated_by, source_cache.positions)
         v = window_block(source_cache.v, spec.source_layers)
         k, v = alignment_lib.resample(k, alignment.weights), alignment_lib.resample(v, alignment.weights)
     else:  # the features alone
@@ -143,13 +115,12 @@ def translate_window(translator, source: CausalLM, target: CausalLM, source_cach
     k, v, aux = translator(k, v, mask, shared)
     pos = positions_from_mask(mask)
     if spec.kv_from_hidden:  # layer inputs: the target's own projections, k-norm and RoPE make the K/V
-        k, v = target.window_key_values(spec.target_layers, k, v, pos)  # [B, T, W, Kt, dt]
+        k, v = target.layer_key_values(spec.target_layers, k, v, pos)  # [B, T, W, Kt, dt]
         return to_cache(k, target), to_cache(v, target), aux
     heads = lambda y: y.reshape(*y.shape[:3], target_cfg.num_kv_heads, target_cfg.head_dim)
     k, v = heads(k), heads(v)  # [B, T, W, Kt, dt]
-    _, target_freq = rotary_tables(spec, source, target)
-    if target_freq is not None:
-        k = jnp.stack([apply_rope(k[:, :, i], pos, target_freq[li]) for i, li in enumerate(spec.target_layers)], 2)
+    if unrotated(spec, source, target):
+        k = target.rotate_keys(k, pos, spec.target_layers)
     return to_cache(k, target), to_cache(v, target), aux
 
 
@@ -172,17 +143,18 @@ class TargetSide:
 
 def target_side(spec, target: CausalLM, target_ids, mask, capacity: int, bottom=None) -> TargetSide:
     """The `TargetSide` of the context `target_ids` [b, T] (padding per `mask`), as `translate` computes it into a
-    cache of `capacity` slots; `bottom`: `bottom_run`'s (cache, hidden) of this context, when the caller has them."""
-    batch, length = target_ids.shape
+    cache of `capacity` slots; `bottom`: `CausalLM.run_bottom`'s (cache, hidden) of this context, when the caller
+    has them."""
+    length = target_ids.shape[1]
     mask = mask.astype(bool)
     bottom_k = bottom_v = features = first_k = first_v = None
     if spec.mode == "direct":
         if bottom is None:
-            bottom = bottom_run(target, target_ids, mask, spec.native_bottom, target.init_cache(batch, capacity))
+            bottom = target.run_bottom(target_ids, mask, spec.native_bottom, capacity)
         cache, hidden = bottom
         features = target_features(spec, target, target_ids, mask, hidden)
         if spec.native_bottom:
             bottom_k, bottom_v = (kv[: spec.native_bottom, :, :, :length] for kv in (cache.k, cache.v))
-    if spec.target_layers:
-        first_k, first_v = first_token_kv(target, target_ids, first_valid_index(mask), spec.target_layers)
+    if spec.target_layers:  # the first token attends only to itself: its own K/V are exact, not translated
+        first_k, first_v = target.lone_key_values(target_ids, first_valid_index(mask), spec.target_layers)
     return TargetSide(bottom_k, bottom_v, features, first_k, first_v)
