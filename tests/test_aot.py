@@ -14,6 +14,7 @@ from helpers import load_config, tiny_batch
 
 from mot_jax import aot, hlo
 from mot_jax.errors import MotJaxError
+from mot_jax.models import accelerated, attention
 from mot_jax.training.config import base, tiny
 
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
@@ -147,10 +148,13 @@ def test_run_refuses_when_a_chip_would_not_hold_the_program(monkeypatch):
 
 
 @pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu is not installed (bash launch/setup.sh --tpu-compile)")
-def test_a_program_xla_will_not_plan_is_refused_in_one_line():
-    config = tiny(base(), "qwen2", "qwen2")  # 65,536 rows of 256 tokens: float32 activations of ~37 GiB a chip
+def test_a_program_xla_will_not_plan_is_refused_in_one_line(monkeypatch):
+    # 65,536 tokens through XLA's attention in one query block (splash declined): float32 scores of ~68 GiB a chip
+    config = tiny(base(), "qwen2", "qwen2")
+    monkeypatch.setattr(accelerated, "tpu_supports", lambda *a, **kw: False)
+    monkeypatch.setattr(attention, "PREFILL_BLOCK", 65536)
     with pytest.raises(MotJaxError, match=r"does not fit a TPU v5e chip: XLA says .* exceeds available HBM") as e:
-        aot.run(config, "v5e:2x2", "prefill", tokens=256, batch=65536)
+        aot.run(config, "v5e:2x2", "prefill", tokens=65536)
     assert "\n" not in str(e.value)
 
 
