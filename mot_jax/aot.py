@@ -316,7 +316,9 @@ def _trace_generation(config, devices, program: str, tokens: int, batch: int | N
             return logits[:, -1], cache
 
         args, donate = (state, last, cache), (2,)
-    return jax.jit(step, donate_argnums=donate).trace(*args), placement("", nnx.state(model, nnx.Param))
+    with jax.set_mesh(mesh):  # the model's attention reads the chips' platform and the mesh from it
+        traced = jax.jit(step, donate_argnums=donate).trace(*args)
+    return traced, placement("", nnx.state(model, nnx.Param))
 
 
 # ------------------------------------------------------------------------------------------------------ report

@@ -38,10 +38,13 @@ def make_mesh(data: int = -1, expert: int = 1, devices=None) -> jax.sharding.Mes
 
 
 def spec(names, rules=RULES, shape=None, mesh=None) -> PartitionSpec:
-    """PartitionSpec of a tuple of logical names; an axis whose size the mesh axis does not divide stays whole."""
+    """PartitionSpec of a tuple of logical names; with a `mesh`, an axis it lacks, or whose size its mesh axis does
+    not divide, stays whole."""
     axes = []
     for i, name in enumerate(names or ()):
         axis = rules.get(name)
+        if axis is not None and mesh is not None and axis not in mesh.shape:
+            axis = None
         if axis is not None and shape is not None and mesh is not None and shape[i] % mesh.shape[axis]:
             axis = None
         axes.append(axis if axis not in axes else None)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from mot_jax.models import accelerated
+from mot_jax.models import accelerated, attention
 from mot_jax.models.base import positions_from_mask
 from mot_jax.models.layers import GLOBAL_WINDOW, attention_reference
 
@@ -122,6 +122,35 @@ def test_splash_shards_batch_and_heads_over_a_mesh():
     expected = jax.grad(lambda *a: loss(xla, *a), argnums=(0, 1, 2))(q, k, v)
     for got, want in zip(grads, expected):
         np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "window, pads, kv_heads",
+    [
+        (GLOBAL_WINDOW, (0, 37, -50, 5), 2),  # causal, GQA (2 queries a KV head), left and right padding
+        (48, (21, -13, 0, 60), 1),  # a sliding window, one KV head for all 4 query heads
+    ],
+)
+def test_the_entry_runs_splash_on_each_chips_rows_under_a_mesh(monkeypatch, window, pads, kv_heads):
+    """A causal prefill through the attention entry under `jax.set_mesh` (the trainer's mesh shape on the 8 simulated
+    devices: 4 `data` x 2 `expert`), the TPU route taken and splash run in interpret mode: a shard_map over the rows
+    around the kernel, and XLA's attention's values on every query a valid token reads."""
+    mesh = Mesh(np.reshape(jax.devices()[:8], (4, 2)), ("data", "expert"))
+    monkeypatch.setattr(attention, "default_backend", lambda: "tpu")
+    splits, run = [], accelerated.tpu_attention
+    interpreted = lambda *a, **kw: splits.append(kw.get("batch_axes")) or run(*a, **kw, interpret=True)
+    monkeypatch.setattr(accelerated, "tpu_attention", interpreted)
+    t = 136
+    q, k, v = qkv(t, t, heads=4, kv_heads=kv_heads, d=32, batch=4)
+    q_pos, k_pos, k_valid, rows = padded_prefill(t, pads)
+    mask = attention.Mask(q_pos, k_pos, k_valid, window, causal_prefill=True)
+    attend = jax.jit(lambda q, k, v: attention.attend(q, k, v, mask, scale=SCALE))
+    with jax.set_mesh(mesh):
+        program = str(attend.trace(q, k, v).jaxpr)
+        out = attend(q, k, v)
+    assert splits == ["data"]  # traced once
+    assert "shard_map" in program and "pallas_call" in program
+    assert_rows_close(out, reference(q, k, v, q_pos, k_pos, k_valid, window), rows, 2e-5)
 
 
 def test_tpu_supports_names_what_splash_cannot_take():

@@ -3,6 +3,7 @@ TPU topology needs libtpu (`bash launch/setup.sh --tpu-compile`) and is skipped 
 
 import importlib.util
 import math
+import re
 import subprocess
 import sys
 
@@ -13,6 +14,7 @@ from helpers import load_config, tiny_batch
 
 from mot_jax import aot, hlo
 from mot_jax.errors import MotJaxError
+from mot_jax.models import accelerated, attention
 from mot_jax.training.config import base, tiny
 
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
@@ -128,6 +130,13 @@ def test_tiny_config_compiles_for_v5e_2x2_with_its_weights_split_over_fsdp():
     assert "all-gather" in hlo.collectives(compiled.hlo)  # FSDP gathers the weights
     text = aot.report(compiled, chip, len(devices), "v5e:2x2", "tiny")
     assert "| layers.mlp.up_proj.kernel | [4, 64, 128] | bfloat16 | (None, 'data', None) |" in text
+    # the causal prefill attends through splash, on each chip's row: a shard_map around the Pallas call in the
+    # program, the Mosaic kernel in what XLA compiled for the chip
+    traced, _ = aot._trace_generation(config, devices, "prefill", 64, None)
+    program = str(traced.jaxpr)
+    assert re.search(r"shard_map\[.*?out_specs=\(P\('data'", program, re.S) and "pallas_call" in program
+    kernels = [line for line in compiled.hlo.splitlines() if 'custom_call_target="tpu_custom_call"' in line]
+    assert kernels and all("splash_mha" in line for line in kernels)
 
 
 @pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu is not installed (bash launch/setup.sh --tpu-compile)")
@@ -139,8 +148,11 @@ def test_run_refuses_when_a_chip_would_not_hold_the_program(monkeypatch):
 
 
 @pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu is not installed (bash launch/setup.sh --tpu-compile)")
-def test_a_program_xla_will_not_plan_is_refused_in_one_line():
-    config = tiny(base(), "qwen2", "qwen2")  # 65,536 tokens: float32 attention scores of tens of GiB a chip
+def test_a_program_xla_will_not_plan_is_refused_in_one_line(monkeypatch):
+    # 65,536 tokens through XLA's attention in one query block (splash declined): float32 scores of ~68 GiB a chip
+    config = tiny(base(), "qwen2", "qwen2")
+    monkeypatch.setattr(accelerated, "tpu_supports", lambda *a, **kw: False)
+    monkeypatch.setattr(attention, "PREFILL_BLOCK", 65536)
     with pytest.raises(MotJaxError, match=r"does not fit a TPU v5e chip: XLA says .* exceeds available HBM") as e:
         aot.run(config, "v5e:2x2", "prefill", tokens=65536)
     assert "\n" not in str(e.value)

@@ -2,14 +2,16 @@
 what hooks see and record, whichever way the layers run, and which implementation the entry picks."""
 
 import functools
+import importlib.util
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import struct
+from jax.sharding import Mesh
 
-from mot_jax import kernels
+from mot_jax import aot, kernels, sharding
 from mot_jax.models import accelerated, attention
 from mot_jax.models.attention import Mask
 from mot_jax.models.hooks import Forward, LayerHook, LayerInputs
@@ -78,6 +80,36 @@ def test_the_entry_picks_splash_on_a_tpu_for_a_causal_prefill_and_cudnn_on_a_gpu
     assert attention.implementation(q, k, v, mask) == "gpu"
     assert attention.implementation(q, k, v, mask, softcap=30.0) == "xla"
     assert attention.implementation(q, k, v, mask, needs_weights=True) == "xla"
+
+
+def test_under_a_mesh_the_entry_splits_splash_over_the_rows_where_they_divide(monkeypatch):
+    """`mesh_split`: the rows over the axis the `batch` rule names, KV heads over a `kv_heads` rule's axis (none in
+    the rules yet), each only where it divides; nothing without a mesh of several devices or off its axes."""
+    mesh = Mesh(np.reshape(jax.devices()[:8], (4, 2)), ("data", "expert"))
+    q, k = jnp.zeros((8, 4, 4, 16)), jnp.zeros((8, 2, 4, 16))
+    assert attention.mesh_split(q, k) == {}  # no mesh set
+    with jax.set_mesh(mesh):
+        assert attention.default_backend() == "cpu"  # the mesh's platform: these devices' own
+        split = attention.mesh_split(q, k)
+        assert (split["batch_axes"], split["head_axes"], dict(split["mesh"].shape)) == ("data", None, mesh.shape)
+        assert attention.mesh_split(q[:2], k[:2])["batch_axes"] is None  # 2 rows do not split 4 ways
+        monkeypatch.setitem(sharding.RULES, "kv_heads", "expert")
+        assert attention.mesh_split(q, k)["head_axes"] == "expert"
+        assert attention.mesh_split(q, k[:, :1])["head_axes"] is None
+    with jax.set_mesh(Mesh(np.reshape(jax.devices()[:1], (1, 1)), ("data", "expert"))):
+        assert attention.mesh_split(q, k) == {}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu is not installed")
+def test_a_tpu_slices_mesh_makes_the_entry_choose_splash_on_this_cpu():
+    """An ahead-of-time compile for a TPU slice traces on this CPU under the slice's mesh: the entry takes the TPU
+    route by the mesh's platform (no TPU is opened)."""
+    q, k, v, mask = operands(jnp.bfloat16)
+    _, devices = aot.topology("v5e:2x2")
+    with jax.set_mesh(Mesh(np.reshape(devices, (4, 1)), ("data", "expert"))):
+        assert attention.default_backend() == "tpu"
+        assert attention.implementation(q, k, v, mask.replace(causal_prefill=True)) == "tpu"
+        assert attention.implementation(q, k, v, mask) == "xla"  # a continuation: XLA's path on the TPU
 
 
 def test_a_prefill_routed_to_splash_equals_xlas_path(monkeypatch):

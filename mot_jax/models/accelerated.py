@@ -169,7 +169,11 @@ def _splash(q, k, v, k_valid, *, window, scale, softcap, q_offset, interpret, ou
         attn_logits_soft_cap=softcap,
         interpret=interpret,
     )
-    out = jax.vmap(kernel, in_axes=(0, 0, 0, splash.SegmentIds(q=None, kv=0)))(q, k, v, ids)  # [B, H, T', d]
+    # bf16 operands have one matmul precision: Mosaic refuses the float32 one `jax_default_matmul_precision=highest`
+    # would ask for
+    precision = "default" if q.dtype == jnp.bfloat16 else jax.config.jax_default_matmul_precision
+    with jax.default_matmul_precision(precision):
+        out = jax.vmap(kernel, in_axes=(0, 0, 0, splash.SegmentIds(q=None, kv=0)))(q, k, v, ids)  # [B, H, T', d]
     return out[:, :, :t].transpose(0, 2, 1, 3).reshape(b, t, h * d).astype(out_dtype)
 
 

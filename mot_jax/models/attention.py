@@ -5,9 +5,9 @@ a query may see is a `Mask` (positions, validity, a sliding window, optionally a
 materialised [T, S] matrix unless a caller's key set is one. The implementations, in the order they are tried:
 - `cpu_kernel`: the fused CPU kernel (`mot_jax.kernels`, XLA FFI), on the CPU backend where it takes the operands;
 - `tpu`: splash attention (`accelerated.tpu_attention`) on the TPU backend, for a causal prefill into an empty cache
-  (splash masks by slot, which there is the position rule; a continuation's slot is traced); run without a mesh, so
-  on several chips XLA gathers its operands (the sharded call through `shard_map` is `tpu_attention`'s, not wired
-  to the model's mesh yet);
+  (splash masks by slot, which there is the position rule; a continuation's slot is traced); under a mesh set with
+  `jax.set_mesh` it runs on each chip's rows (and KV heads, where a rule splits them) through `shard_map`, since a
+  Pallas kernel has no partitioning rule and XLA would otherwise gather the whole operands onto every chip;
 - `gpu`: cuDNN's flash attention (`accelerated.gpu_attention`, the position mask as a bias) on the GPU backend where
   its constraints hold (bf16/fp16, head sizes, no soft-cap);
 - `xla`: softmax weights materialised (`layers.attention_weights`), in query blocks for a causal prefill so that
@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from mot_jax import kernels
+from mot_jax import kernels, sharding
 from mot_jax.models import accelerated
 from mot_jax.models.layers import GLOBAL_WINDOW, attention_reference, attention_weights, einsum
 
@@ -69,8 +69,28 @@ def implementation(q, k, v, mask: Mask, softcap=None, needs_weights=False) -> st
 
 
 def default_backend() -> str:
-    """The backend the program is traced for (a function of its own, so tests can trace another backend's choice)."""
-    return jax.default_backend()
+    """The backend the program is traced for: the platform of the mesh set with `jax.set_mesh` (an ahead-of-time
+    compile for a TPU slice traces on a CPU machine), else JAX's default backend. A function of its own, so tests
+    can trace another backend's choice."""
+    device = getattr(context_mesh(), "abstract_device", None)
+    return jax.default_backend() if device is None else device.platform
+
+
+def context_mesh():
+    """The (abstract) mesh set with `jax.set_mesh` around the trace, or None."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return None if mesh.empty else mesh
+
+
+def mesh_split(q, k) -> dict:
+    """How `tpu_attention` splits its operands over the context mesh: the rows over the mesh axes the `batch` rule
+    names, the KV heads over those a `kv_heads` rule names (none yet), each where it divides (`sharding.spec`);
+    {} without a mesh of several devices."""
+    mesh = context_mesh()
+    if mesh is None or mesh.size == 1:
+        return {}
+    batch, heads = sharding.spec(("batch", "kv_heads"), sharding.RULES, (q.shape[0], k.shape[1]), mesh)
+    return dict(mesh=mesh, batch_axes=batch, head_axes=heads)
 
 
 def attend(q, k, v, mask: Mask, *, scale, softcap=None, on_weights: Callable | None = None):
@@ -83,7 +103,8 @@ def attend(q, k, v, mask: Mask, *, scale, softcap=None, on_weights: Callable | N
         reference = functools.partial(attention_reference, softcap=softcap, allowed=None)
         return kernels.attention(q, k, v, *positions, mask.window, scale, softcap=softcap, reference=reference)
     if chosen == "tpu":
-        return accelerated.tpu_attention(q, k, v, *positions, scale=scale, softcap=softcap, **mask.windows)
+        split = mesh_split(q, k)
+        return accelerated.tpu_attention(q, k, v, *positions, scale=scale, softcap=softcap, **mask.windows, **split)
     if chosen == "gpu":
         return accelerated.gpu_attention(q, k, v, *positions, scale=scale, window=mask.window, softcap=softcap)
     return xla_attention(q, k, v, mask, scale=scale, softcap=softcap, on_weights=on_weights)
