@@ -46,6 +46,7 @@ FAST = {"translator.channels.mode": "terminal"}  # no channel search: one traine
         ("translator.heads", 0, 1),  # these three divided by zero
         ("translator.dim", 0, 1),
         ("translator.shared_slots", 0, 1),
+        ("translator.receiver_rank", -1, 0),  # was refused only once both models had loaded
     ],
 )
 def test_bad_counts_are_refused_before_anything_is_written(tmp_path, key, value, least):
