@@ -299,6 +299,7 @@ def trace_train(config, devices):
     source = build(config.source)
     target = source if config.target == config.source else build(config.target)  # one model, as `load_pair`
     pair = ModelPair(source, target, None, None)
+    setup.check_lengths(config, pair)
     spec, tcfg = setup.translation(config, compile_channels(config, pair), pair)
     trainer = Trainer(config, pair, spec, tcfg, mesh, config.steps, abstract=True)
     traced = trainer.trace_train_step(abstract_batch(config, config.grad_accum))

@@ -177,6 +177,14 @@ def test_more_tokens_than_a_program_indexes_are_refused_in_one_line():
         aot.compile_program(config, "v5e:2x2", "prefill", tokens=64, batch=2**25)
 
 
+@pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu is not installed (bash launch/setup.sh --tpu-compile)")
+def test_a_training_step_longer_than_the_models_positions_is_refused():
+    config = tiny_train_config(fsdp=True)  # compiled past the positions; at 100,000,000 tokens XLA aborted the process
+    config.data.total_tokens, config.data.prefix_tokens, config.data.source_length = 1024, 512, 512
+    with pytest.raises(MotJaxError, match=r"^data.total_tokens=1024 is more than the target's 512 positions"):
+        aot.compile_program(config, "v5e:2x2", "train")
+
+
 def test_a_config_without_the_keys_it_needs_is_one_line(tmp_path):
     """A config file written from scratch (no base()): the compile read config.mesh and failed with a traceback."""
     (tmp_path / "mine.py").write_text(

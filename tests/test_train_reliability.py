@@ -47,6 +47,7 @@ FAST = {"translator.channels.mode": "terminal"}  # no channel search: one traine
         ("translator.dim", 0, 1),
         ("translator.shared_slots", 0, 1),
         ("translator.receiver_rank", -1, 0),  # was refused only once both models had loaded
+        ("data.source_length", 0, 1),
     ],
 )
 def test_bad_counts_are_refused_before_anything_is_written(tmp_path, key, value, least):
@@ -76,6 +77,16 @@ def test_holding_out_every_fit_batch_is_refused(tmp_path):
     config = load_config(**{"translator.skip_fit_batches": 4, "translator.skip_ridge_held_out": 4})
     with pytest.raises(MotJaxError, match=r"^translator.skip_ridge_held_out=4 leaves none of .*skip_fit_batches=4 "):
         loop.train_and_evaluate(config, tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+def test_chunks_that_do_not_fit_the_models_are_refused_before_anything_is_written(tmp_path):
+    """gpt2's learned position table (512 rows in the tiny model) was read past its end, silently."""
+    longer = {"data.total_tokens": 1024, "data.prefix_tokens": 512, "data.source_length": 512}
+    with pytest.raises(MotJaxError, match=r"^data.total_tokens=1024 is more than the target's 512 positions; pass "):
+        loop.train_and_evaluate(load_config("gpt2_gpt2.py", "tiny", **longer), tmp_path / "run")
+    with pytest.raises(MotJaxError, match=r"^data.prefix_tokens=32 does not fit data.total_tokens=32; pass 2 <= "):
+        loop.train_and_evaluate(load_config(**{"data.prefix_tokens": 32}), tmp_path / "run")
     assert not (tmp_path / "run").exists()
 
 

@@ -216,6 +216,7 @@ COUNTS = {
     "final_eval_batches": 0,
     "data.train_chunks": 0,  # 0: the whole table
     "data.max_documents": 0,  # 0: every document
+    "data.source_length": 1,
     "translator.dim": 1,
     "translator.heads": 1,
     "translator.num_experts": 1,
@@ -281,6 +282,12 @@ def check(c: ml_collections.ConfigDict):
         )
     # another kind's field set away from its default would change nothing
     kinds.check_foreign_fields(c.translator.kind, {k: c.translator[k] for k in kinds.fields() if k in c.translator})
+    d = c.data
+    if not 2 <= d.prefix_tokens < d.total_tokens:  # the context (prefix - 1 tokens) and a prompt of one or more
+        raise MotJaxError(
+            f"data.prefix_tokens={d.prefix_tokens} does not fit data.total_tokens={d.total_tokens}; pass "
+            "2 <= prefix_tokens < total_tokens."
+        )
     held_out, fit_batches = c.translator.skip_ridge_held_out, c.translator.skip_fit_batches
     if held_out and held_out >= fit_batches:
         raise MotJaxError(
