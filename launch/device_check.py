@@ -18,6 +18,7 @@ import datetime
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
@@ -126,10 +127,12 @@ class Section:
     """The check's Markdown section, rewritten to `path` after every part."""
 
     def __init__(self, path: Path, heading: str):
-        self.path, self.parts = path, [heading]
+        self.path, self.parts, self.done = path, [heading], []
 
     def add(self, text: str):
         self.parts.append(text.strip())
+        if text.startswith("### "):
+            self.done.append(text[4:].split("\n")[0].split(":")[0])
         tmp = self.path.with_name(self.path.name + ".tmp")
         tmp.write_text("\n\n".join(self.parts) + "\n")
         tmp.replace(self.path)
@@ -142,16 +145,54 @@ LIMITS = dict(tests=120, train=130, models=90)
 CPU_LIMITS = dict(tests=240, train=300, models=240)
 
 
+class Stopped(KeyboardInterrupt):
+    """SIGTERM (device_check.sh's time limit, a lent machine taken back), raised as Ctrl-C's KeyboardInterrupt."""
+
+
+def _stop(signum, frame):
+    raise Stopped
+
+
+def positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise ValueError
+    return value
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse's usage and error lines, as one
+        self.exit(2, f"error: {message}; run with --help for the flags.\n")
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cpu", action="store_true", help="a dry run at tiny sizes on the CPU")
     parser.add_argument("--out", default="device_check.md", help="the Markdown section's file")
-    parser.add_argument("--runs", type=int, default=None, help="timed runs per bench cell (default 3; --cpu 1)")
+    parser.add_argument("--runs", type=positive, default=None, help="timed runs per bench cell (default 3; --cpu 1)")
     args = parser.parse_args(argv)
     problem = unwritable(Path(args.out))
     if problem:  # before minutes of a lent device are spent
         print(f"error: --out={args.out} {problem}; pass --out=FILE in a folder this check can write.", file=sys.stderr)
         return 2
+    section = Section(Path(args.out), f"## Device check, {datetime.date.today().isoformat()}")  # until the device
+    previous = signal.signal(signal.SIGTERM, _stop)
+    began = time.perf_counter()
+    try:
+        check(args, section, began)
+    except KeyboardInterrupt as e:  # said in the section too: pasted, a cut-short check must not read as a whole one
+        why = "SIGTERM" if isinstance(e, Stopped) else "Ctrl-C"
+        done = ", ".join(section.done) or "none"
+        section.add(f"Stopped by {why} after {time.perf_counter() - began:.0f} s; the parts done: {done}.")
+        print(f"error: stopped by {why}; {args.out} keeps the parts done ({done}).", file=sys.stderr)
+        return 143 if isinstance(e, Stopped) else 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return 0
+
+
+def check(args, section: Section, began: float) -> None:
+    """The check's parts, each added to `section` as it ends."""
     runs = args.runs or (1 if args.cpu else 3)
     limits = CPU_LIMITS if args.cpu else LIMITS
     # the configs' default step (replay, sparse mixture) on the GPU; the CPU's dry run the cheapest to compile
@@ -163,11 +204,10 @@ def main(argv=None) -> int:
         flags += [f for f in CHEAP_CPU_COMPILES if f.split("=")[0] not in " ".join(flags)]
         env["XLA_FLAGS"] = " ".join(flags)
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    began = time.perf_counter()
     device = device_line(env)
     commit = command(["git", "rev-parse", "--short", "HEAD"], env, 30)[1].strip() or "unknown"
     today = datetime.date.today().isoformat()
-    section = Section(Path(args.out), f"## Device check: {device}, {today}")
+    section.parts = [f"## Device check: {device}, {today}"]
     section.add(
         f"From `bash launch/device_check.sh{' --cpu' if args.cpu else ''}`, code at {commit}: {versions()}; "
         f"Python {platform.python_version()}, {platform.machine()}. Random weights in the named shapes (no network)."
@@ -204,7 +244,6 @@ def main(argv=None) -> int:
     heading = f"### Prefill against transformers: batch {batch}, {length:,} tokens, bfloat16"
     section.add(f"{heading}\n\n{body}\n\n({seconds:.0f} s)")
     section.add(f"The whole check took {time.perf_counter() - began:.0f} s.")
-    return 0
 
 
 if __name__ == "__main__":

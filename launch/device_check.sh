@@ -6,7 +6,8 @@
 #
 # Expects this repository with mot_jax's requirements and a CUDA build of jax installed (launch/gpu.sh installs them);
 # the weights are random in the real models' shapes, so nothing is downloaded. --cpu: a dry run at tiny sizes on the
-# CPU (CI runs it; 15 minutes at most). Each part's result is written as it ends, so a check stopped at 8 minutes keeps what it did.
+# CPU (CI runs it; 15 minutes at most). Each part's result is written as it ends, so a check stopped at 8 minutes (or
+# by Ctrl-C) keeps what it did and says where it stopped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 limit=480

@@ -87,6 +87,9 @@ def topology(name: str):
         raise MotJaxError(f"Compiling for TPU needs libtpu, which is not installed; run `{INSTALL}`.")
     # libtpu only compiles here: let it load beside another process holding the chips' lock file
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    # off a TPU VM libtpu asks the metadata server for the workers' names and logs its failure as an error (three
+    # lines before every report or refusal); this machine is the one worker, and nothing connects to it
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
     from jax.experimental import topologies
 
     try:
@@ -145,6 +148,8 @@ class Compiled:
     hlo: str
     weights: list  # (name, shape, dtype, spec, bytes per chip) of what the program uses whole: models, translator
     optimizer: list = dataclasses.field(default_factory=list)  # the AdamW state, the same way (updated in place)
+    tokens: int | None = None  # prefill and decode: the prompt tokens, or those a decode step follows
+    rows: int | None = None  # and the rows
 
     @property
     def total(self) -> int:
@@ -153,24 +158,30 @@ class Compiled:
 
 def compile_program(config, topology_name: str, program: str, tokens: int | None = None, batch: int | None = None):
     """(Chip, devices, Compiled) of `program` compiled for the topology: `train`, the config's training step
-    (`trace_train`, in the config's shapes); `prefill` of `tokens` tokens (default 1,024) of the config's target, or
-    one `decode` step after them, `batch` rows (default one a chip)."""
+    (`trace_train`, in the config's shapes); `prefill` of `tokens` tokens (default 1,024, or the target's positions
+    if fewer) of the config's target, or one `decode` step after them, `batch` rows (default one a chip)."""
+    from mot_jax.training import config as config_lib
+
     if program not in PROGRAMS:
         raise MotJaxError(f"Unknown program {program!r}; choose one of {', '.join(PROGRAMS)}.")
+    config_lib.check(config)  # what training would refuse (a missing key, a count of 0), in one line
     if program == "train" and (tokens, batch) != (None, None):
         raise MotJaxError(
             "The training step takes its shapes from the config; drop --tokens and --batch and set "
             "--config.data.total_tokens, --config.batch_size or --config.grad_accum instead."
         )
-    tokens = DEFAULT_TOKENS if tokens is None else tokens
-    if tokens < 1:
-        raise MotJaxError(f"--tokens={tokens} must be at least 1.")
+    if program != "train":
+        tokens = prompt_tokens(model_config(config.target), program, tokens)
+        if batch is not None and batch < 1:
+            raise MotJaxError(f"--batch={batch} must be at least 1 (or left out: one row a chip).")
     chip, devices = topology(topology_name)
     from mot_jax.bench.flops import matmul_flops
 
     if program == "train":
         traced, weights, optimizer = trace_train(config, devices)
     else:
+        batch = batch or len(devices)
+        check_rows(batch, tokens, len(devices))
         traced, weights = _trace_generation(config, devices, program, tokens, batch)
         optimizer = []
     compiled = _compile(traced, program, chip)
@@ -190,8 +201,36 @@ def compile_program(config, topology_name: str, program: str, tokens: int | None
             hlo=compiled.as_text(),
             weights=weights,
             optimizer=optimizer,
+            tokens=tokens,
+            rows=batch,
         ),
     )
+
+
+def prompt_tokens(cfg, program: str, tokens: int | None) -> int:
+    """The prefill's prompt tokens (or the tokens a decode step follows): `tokens`, or by default 1,024 or as many
+    as the target's positions hold; refused in one line outside them (past them a program is meaningless, and
+    XLA aborts the process on shapes whose size overflows)."""
+    room = cfg.max_positions - (program == "decode")  # the decode step writes one more position
+    tokens = min(DEFAULT_TOKENS, room) if tokens is None else tokens
+    if not 1 <= tokens <= room:
+        raise MotJaxError(
+            f"--tokens={tokens} is outside 1..{room}, what the target's {cfg.max_positions} positions hold for a "
+            f"{program}; pass a number in that range."
+        )
+    return tokens
+
+
+def check_rows(rows: int, tokens: int, chips: int) -> None:
+    """Refuse, in one line, rows that do not split over the chips, or a program of more tokens than int32 indexes
+    (jax refuses such a shape with a traceback)."""
+    if rows % chips:
+        raise MotJaxError(f"--batch={rows} does not split over {chips} chips; use a multiple of it.")
+    if rows * tokens >= 2**31:
+        raise MotJaxError(
+            f"--batch={rows} rows of {tokens} tokens are {rows * tokens:,} tokens, more than a program indexes "
+            f"(2**31 - 1); pass fewer rows or tokens."
+        )
 
 
 def _compile(traced, program: str, chip: Chip):
@@ -260,6 +299,7 @@ def trace_train(config, devices):
     source = build(config.source)
     target = source if config.target == config.source else build(config.target)  # one model, as `load_pair`
     pair = ModelPair(source, target, None, None)
+    setup.check_lengths(config, pair)
     spec, tcfg = setup.translation(config, compile_channels(config, pair), pair)
     trainer = Trainer(config, pair, spec, tcfg, mesh, config.steps, abstract=True)
     traced = trainer.trace_train_step(abstract_batch(config, config.grad_accum))
@@ -269,7 +309,7 @@ def trace_train(config, devices):
     return traced, weights, placement("adamw", trainer.state["opt_state"])
 
 
-def _trace_generation(config, devices, program: str, tokens: int, batch: int | None):
+def _trace_generation(config, devices, program: str, tokens: int, batch: int):
     """(traced, weights) of the target's prefill or decode step (`compile_program`)."""
     import jax
     import jax.numpy as jnp
@@ -284,9 +324,6 @@ def _trace_generation(config, devices, program: str, tokens: int, batch: int | N
     cfg = model_config(config.target)
     mesh = sharding.make_mesh(devices=list(devices))  # every chip on `data`: rows, and FSDP when the config asks
     rules = sharding.llm_rules(config)
-    batch = batch or len(devices)
-    if batch % mesh.shape["data"]:
-        raise MotJaxError(f"--batch={batch} does not split over {len(devices)} chips; use a multiple of it.")
     model = sharding.shard(build_model(cfg, resolve_dtype(config.dtype), abstract=True), mesh, rules)
     graphdef, state = nnx.split(model)
 
@@ -430,12 +467,11 @@ def run(config, topology_name: str, program: str = "prefill", tokens: int | None
     """Compile and report (what `python -m mot_jax.compile` prints); refuses when a chip would not hold it."""
     chip, devices, compiled = compile_program(config, topology_name, program, tokens, batch)
     check_fits(compiled, chip)
-    return report(compiled, chip, len(devices), topology_name, title(config, program, tokens, batch or len(devices)))
+    return report(compiled, chip, len(devices), topology_name, title(config, program, compiled.tokens, compiled.rows))
 
 
-def title(config, program: str, tokens: int | None, rows: int) -> str:
-    """What the report says was compiled."""
-    tokens = DEFAULT_TOKENS if tokens is None else tokens
+def title(config, program: str, tokens: int | None, rows: int | None) -> str:
+    """What the report says was compiled (`tokens` and `rows`: the prefill's or decode's, as compiled)."""
     if program == "train":
         layout = "FSDP-split over `data`" if config.mesh.fsdp else "replicated over `data`"
         return (

@@ -23,7 +23,10 @@ _PROGRAM = flags.DEFINE_enum(
     "program", "prefill", ["train", "prefill", "decode"], "The program to compile: the training step or the target's."
 )
 _TOKENS = flags.DEFINE_integer(
-    "tokens", None, "Prefill: prompt tokens a row (default 1,024); decode: the tokens already cached. Not for train."
+    "tokens",
+    None,
+    "Prefill: prompt tokens a row (default 1,024, or the target's positions if fewer); decode: the tokens already "
+    "cached. Not for train.",
 )
 _BATCH = flags.DEFINE_integer("batch", None, "Prefill and decode: rows (default: one a chip). Not for train.")
 flags.mark_flags_as_required(["config"])

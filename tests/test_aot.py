@@ -2,6 +2,7 @@
 TPU topology needs libtpu (`bash launch/setup.sh --tpu-compile`) and is skipped without it."""
 
 import importlib.util
+import json
 import math
 import re
 import subprocess
@@ -15,6 +16,7 @@ from helpers import load_config, tiny_batch
 from mot_jax import aot, hlo
 from mot_jax.errors import MotJaxError
 from mot_jax.models import accelerated, attention
+from mot_jax.models import tiny as tiny_models
 from mot_jax.training.config import base, tiny
 
 HAS_LIBTPU = importlib.util.find_spec("libtpu") is not None
@@ -132,7 +134,7 @@ def test_tiny_config_compiles_for_v5e_2x2_with_its_weights_split_over_fsdp():
     assert "| layers.mlp.up_proj.kernel | [4, 64, 128] | bfloat16 | (None, 'data', None) |" in text
     # the causal prefill attends through splash, on each chip's row: a shard_map around the Pallas call in the
     # program, the Mosaic kernel in what XLA compiled for the chip
-    traced, _ = aot._trace_generation(config, devices, "prefill", 64, None)
+    traced, _ = aot._trace_generation(config, devices, "prefill", 64, len(devices))
     program = str(traced.jaxpr)
     assert re.search(r"shard_map\[.*?out_specs=\(P\('data'", program, re.S) and "pallas_call" in program
     kernels = [line for line in compiled.hlo.splitlines() if 'custom_call_target="tpu_custom_call"' in line]
@@ -148,14 +150,76 @@ def test_run_refuses_when_a_chip_would_not_hold_the_program(monkeypatch):
 
 
 @pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu is not installed (bash launch/setup.sh --tpu-compile)")
-def test_a_program_xla_will_not_plan_is_refused_in_one_line(monkeypatch):
+def test_a_program_xla_will_not_plan_is_refused_in_one_line(tmp_path, monkeypatch):
     # 65,536 tokens through XLA's attention in one query block (splash declined): float32 scores of ~68 GiB a chip
     config = tiny(base(), "qwen2", "qwen2")
+    long_context = tiny_models.hf_config("random:qwen2") | dict(max_position_embeddings=65536)  # the tiny model's 512
+    (tmp_path / "config.json").write_text(json.dumps(long_context))
+    config.target = str(tmp_path)
     monkeypatch.setattr(accelerated, "tpu_supports", lambda *a, **kw: False)
     monkeypatch.setattr(attention, "PREFILL_BLOCK", 65536)
     with pytest.raises(MotJaxError, match=r"does not fit a TPU v5e chip: XLA says .* exceeds available HBM") as e:
         aot.run(config, "v5e:2x2", "prefill", tokens=65536)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "program,tokens,batch,reason",
+    [
+        ("prefill", 0, None, r"--tokens=0 is outside 1..512, what the target's 512 positions hold for a prefill"),
+        ("prefill", -5, None, r"--tokens=-5 is outside 1..512"),
+        # past the target's positions: XLA aborted the process on the attention scores' size (int64 overflow), or
+        # jax refused the shape with a traceback
+        ("prefill", 3_000_000_000, None, r"--tokens=3000000000 is outside 1..512"),
+        ("decode", 512, None, r"--tokens=512 is outside 1..511, what the target's 512 positions hold for a decode"),
+        ("prefill", 64, 0, r"--batch=0 must be at least 1"),  # was compiled as one row a chip, silently
+        ("decode", 64, -4, r"--batch=-4 must be at least 1"),  # was a TypeError's traceback
+    ],
+)
+def test_tokens_and_rows_that_cannot_compile_are_refused_before_libtpu_loads(program, tokens, batch, reason):
+    config = tiny(base(), "qwen2", "qwen2")
+    with pytest.raises(MotJaxError, match=f"^{reason}"):
+        aot.compile_program(config, "v5e:2x2", program, tokens=tokens, batch=batch)
+
+
+@pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu is not installed (bash launch/setup.sh --tpu-compile)")
+def test_more_tokens_than_a_program_indexes_are_refused_in_one_line():
+    config = tiny(base(), "qwen2", "qwen2")  # jax refused the int32 shape with a traceback
+    with pytest.raises(MotJaxError, match=r"^--batch=33554432 rows of 64 tokens are 2,147,483,648 tokens, more "):
+        aot.compile_program(config, "v5e:2x2", "prefill", tokens=64, batch=2**25)
+
+
+@pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu is not installed (bash launch/setup.sh --tpu-compile)")
+def test_a_training_step_longer_than_the_models_positions_is_refused():
+    config = tiny_train_config(fsdp=True)  # compiled past the positions; at 100,000,000 tokens XLA aborted the process
+    config.data.total_tokens, config.data.prefix_tokens, config.data.source_length = 1024, 512, 512
+    with pytest.raises(MotJaxError, match=r"^data.total_tokens=1024 is more than the target's 512 positions"):
+        aot.compile_program(config, "v5e:2x2", "train")
+
+
+def test_a_config_without_the_keys_it_needs_is_one_line(tmp_path):
+    """A config file written from scratch (no base()): the compile read config.mesh and failed with a traceback."""
+    (tmp_path / "mine.py").write_text(
+        "import ml_collections\n\n"
+        "def get_config():\n    return ml_collections.ConfigDict(dict(target='random:qwen2'))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "mot_jax.compile", f"--config={tmp_path / 'mine.py'}", "--topology=v5e:2x2"],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert done.stderr.splitlines() == [
+        "error: The config has no key batch_size (and 17 more); start it from mot_jax.training.config.base(), which "
+        "has every key at its default, as the files in configs/ do."
+    ]
+
+
+@pytest.mark.skipif(not HAS_LIBTPU, reason="libtpu is not installed (bash launch/setup.sh --tpu-compile)")
+def test_the_default_prompt_fits_the_targets_positions():
+    config = tiny(base(), "qwen2", "qwen2")  # 512 positions: the default 1,024 tokens compiled past them
+    text = aot.run(config, "v5e:2x2", "decode")
+    assert text.startswith("random:qwen2's decode step (4 rows after 511 tokens, float32) compiled for v5e:2x2"), text
 
 
 def test_command_fails_in_one_line_with_exit_2():
@@ -170,6 +234,20 @@ def tiny_train_config(fsdp: bool):
     config = load_config("qwen2_5_7b.py", "tiny")
     config.batch_size, config.grad_accum, config.mesh.data, config.mesh.fsdp = 4, 1, -1, fsdp
     return config
+
+
+@pytest.mark.parametrize(
+    "key,value,reason",
+    [
+        ("batch_size", 0, r"batch_size=0 must be a whole number of at least 1"),  # was a ZeroDivisionError
+        ("remat", "bogus", r"remat='bogus' is not one of none, dots, nothing"),  # was a KeyError
+    ],
+)
+def test_the_training_step_of_a_config_training_would_refuse_is_refused_alike(key, value, reason):
+    config = tiny_train_config(fsdp=True)
+    config[key] = value
+    with pytest.raises(MotJaxError, match=f"^{reason}"):
+        aot.compile_program(config, "v5e:2x2", "train")
 
 
 @pytest.mark.slow  # XLA's TPU compile of the whole step: 1.5 to 6 minutes on a 2-core machine

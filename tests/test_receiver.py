@@ -86,9 +86,11 @@ def test_a_receiver_rank_that_cannot_run_is_refused_in_one_line():
     config.loss.distill_weight = config.loss.hidden_weight = 0.0
     with pytest.raises(MotJaxError, match="^translator.receiver_rank trains the target's queries .* set one of"):
         config_lib.check(config)
-    config.loss.distill_weight, config.loss.distill_temperature = 1.0, 0.0
-    with pytest.raises(MotJaxError, match=r"^loss.distill_temperature=0.0 must be above 0"):
-        config_lib.check(config)
+    config.loss.distill_weight = 1.0
+    for temperature in (0.0, -2.0, float("inf")):  # -2 was told to pass a value >= 0, which 0 is not
+        config.loss.distill_temperature = temperature
+        with pytest.raises(MotJaxError, match=rf"^loss.distill_temperature={temperature} must be above 0 and finite; "):
+            config_lib.check(config)
     gpt2, _ = load_model("random:gpt2")
     with pytest.raises(MotJaxError, match="^translator.receiver_rank adapts the target's query projections, which a "):
         receiver.check(gpt2, 4)

@@ -20,7 +20,16 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
-from helpers import ROOT, TINY_FLAGS, load_config, one_device_command_env, run_cli, sharing_jitted_steps
+from flax import nnx
+from helpers import (
+    ROOT,
+    TINY_FLAGS,
+    load_config,
+    one_device_command_env,
+    run_cli,
+    sharing_jitted_steps,
+    whole_and_resumed,
+)
 from orbax.checkpoint._src.handlers import json_checkpoint_handler
 
 from mot_jax.cli import run_or_exit
@@ -46,6 +55,8 @@ FAST = {"translator.channels.mode": "terminal"}  # no channel search: one traine
         ("translator.heads", 0, 1),  # these three divided by zero
         ("translator.dim", 0, 1),
         ("translator.shared_slots", 0, 1),
+        ("translator.receiver_rank", -1, 0),  # was refused only once both models had loaded
+        ("data.source_length", 0, 1),
     ],
 )
 def test_bad_counts_are_refused_before_anything_is_written(tmp_path, key, value, least):
@@ -75,6 +86,16 @@ def test_holding_out_every_fit_batch_is_refused(tmp_path):
     config = load_config(**{"translator.skip_fit_batches": 4, "translator.skip_ridge_held_out": 4})
     with pytest.raises(MotJaxError, match=r"^translator.skip_ridge_held_out=4 leaves none of .*skip_fit_batches=4 "):
         loop.train_and_evaluate(config, tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+def test_chunks_that_do_not_fit_the_models_are_refused_before_anything_is_written(tmp_path):
+    """gpt2's learned position table (512 rows in the tiny model) was read past its end, silently."""
+    longer = {"data.total_tokens": 1024, "data.prefix_tokens": 512, "data.source_length": 512}
+    with pytest.raises(MotJaxError, match=r"^data.total_tokens=1024 is more than the target's 512 positions; pass "):
+        loop.train_and_evaluate(load_config("gpt2_gpt2.py", "tiny", **longer), tmp_path / "run")
+    with pytest.raises(MotJaxError, match=r"^data.prefix_tokens=32 does not fit data.total_tokens=32; pass 2 <= "):
+        loop.train_and_evaluate(load_config(**{"data.prefix_tokens": 32}), tmp_path / "run")
     assert not (tmp_path / "run").exists()
 
 
@@ -524,3 +545,36 @@ def test_a_resume_refuses_changes_to_what_a_step_computes_and_records_the_rest(t
     checkpoints = Checkpoints(as_path(workdir), 3)
     assert checkpoints.read_meta(3)["config_changes"] == changes
     checkpoints.close()
+
+
+def strict_json_files(folder) -> list:
+    """The JSON files under `folder` (checkpoints' meta included) that a strict parser refuses: a bare NaN or
+    Infinity, which Python's json writes and reads but JSON does not allow."""
+
+    def refuse(constant):
+        raise ValueError(constant)
+
+    bad = []
+    for path in folder.rglob("*"):
+        try:
+            text = path.read_text()
+            json.loads(text)
+        except (UnicodeDecodeError, ValueError, IsADirectoryError):
+            continue  # not a JSON file
+        try:
+            json.loads(text, parse_constant=refuse)
+        except ValueError:
+            bad.append(str(path.relative_to(folder)))
+    return bad
+
+
+def test_a_checkpoint_before_any_validation_is_strict_json_and_resumes(tmp_path, monkeypatch):
+    """Step 1 is saved before the first validation (step 2): its meta held best_validation_loss=Infinity."""
+    config = load_config(**FAST, steps=2, eval_every=2, checkpoint_every=1)
+    whole, trained = whole_and_resumed(config, tmp_path, monkeypatch, stop_after=1)
+    assert strict_json_files(tmp_path) == []
+    assert (tmp_path / "resumed" / "checkpoints" / "1").is_dir()  # the resume started from that checkpoint
+    resumed = json.loads((tmp_path / "resumed" / "summary.json").read_text())
+    assert resumed["best"] == whole["best"] and resumed["best"]["step"] == 2  # read back as no validation yet
+    for a, b in zip(jax.tree.leaves(nnx.state(trained[0])), jax.tree.leaves(nnx.state(trained[1]))):
+        np.testing.assert_array_equal(a, b)

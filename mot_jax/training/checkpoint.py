@@ -10,6 +10,7 @@ next `save`, `check` or `close`; `close()` waits for them.
 from __future__ import annotations
 
 import contextlib
+import json
 import sys
 
 import jax
@@ -17,6 +18,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from mot_jax.errors import MotJaxError, cause, root_cause
+from mot_jax.files import strict_json
 from mot_jax.training import saved
 
 # what the training loop and load_trained read from a checkpoint's meta (every saved version has them)
@@ -78,6 +80,9 @@ class Checkpoints:
         """Save `state` at `step` (in the background); a state that is not finite is never saved (MotJaxError)."""
         if not all_finite(state):
             raise MotJaxError(f"The state of step {step} holds NaN or inf; it was not saved in {self.workdir}.")
+        # Orbax writes the meta with Python's json, a non-finite float as a bare Infinity or NaN that JSON does not
+        # allow (best_validation_loss before the first validation): written as null, as every JSON file here
+        meta = json.loads(strict_json(meta))
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
         with self._saving():
             self.last.save(step, args=args, force=True)

@@ -216,14 +216,17 @@ COUNTS = {
     "final_eval_batches": 0,
     "data.train_chunks": 0,  # 0: the whole table
     "data.max_documents": 0,  # 0: every document
+    "data.source_length": 1,
     "translator.dim": 1,
     "translator.heads": 1,
     "translator.num_experts": 1,
     "translator.top_k": 1,
     "translator.skip_ridge_held_out": 0,
+    "translator.receiver_rank": 0,  # 0: the target stays frozen
 }
-# each loss term's weight (a negative one would train the translator to maximise that term) and the fit's ridge
-WEIGHTS = [f"loss.{k}" for k in base().loss] + ["translator.skip_ridge"]
+# each loss term's weight (a negative one would train the translator to maximise that term) and the fit's ridge; the
+# KL's temperature is no weight: it must be above 0 (`check`)
+WEIGHTS = [f"loss.{k}" for k in base().loss if k != "distill_temperature"] + ["translator.skip_ridge"]
 
 
 def lookup(c: ml_collections.ConfigDict, key: str):
@@ -232,8 +235,26 @@ def lookup(c: ml_collections.ConfigDict, key: str):
     return c
 
 
+def missing_keys(c: ml_collections.ConfigDict, reference: ml_collections.ConfigDict, prefix: str = "") -> list:
+    """The dotted keys of `reference` (`base()`) that `c` lacks."""
+    missing = []
+    for key, value in reference.items():
+        if key not in c:
+            missing.append(prefix + key)
+        elif isinstance(value, ml_collections.ConfigDict) and isinstance(c[key], ml_collections.ConfigDict):
+            missing += missing_keys(c[key], value, f"{prefix}{key}.")
+    return missing
+
+
 def check(c: ml_collections.ConfigDict):
     """Refuse counts and weights that cannot run (before anything is loaded or written)."""
+    missing = missing_keys(c, base())
+    if missing:  # a config file written from scratch: every later read of a missing key would be a traceback
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise MotJaxError(
+            f"The config has no key {missing[0]}{more}; start it from mot_jax.training.config.base(), which has "
+            "every key at its default, as the files in configs/ do."
+        )
     kinds.get(c.translator.kind)  # an unknown kind: refused here, in one line
     if c.remat not in REMAT_POLICIES:
         raise MotJaxError(f"remat={c.remat!r} is not one of {', '.join(REMAT_POLICIES)}; pass --config.remat=dots.")
@@ -249,17 +270,24 @@ def check(c: ml_collections.ConfigDict):
             raise MotJaxError(
                 f"{key}={value!r} must be a finite number of at least 0; pass --config.{key}=W with W >= 0."
             )
-    if c.loss.get("distill_temperature", 1.0) <= 0:
+    temperature = c.loss.distill_temperature
+    if isinstance(temperature, bool) or not isinstance(temperature, int | float) or not 0 < temperature < math.inf:
         raise MotJaxError(
-            f"loss.distill_temperature={c.loss.distill_temperature!r} must be above 0; pass 1 (plain KL) or 2."
+            f"loss.distill_temperature={temperature!r} must be above 0 and finite; pass 1 (plain KL) or 2."
         )
-    if c.translator.get("receiver_rank") and not (c.loss.get("ce_weight", 1.0) or c.loss.distill_weight):
+    if c.translator.receiver_rank and not (c.loss.ce_weight or c.loss.distill_weight):
         raise MotJaxError(
             "translator.receiver_rank trains the target's queries on the prompt read after the translation, but "
             "loss.ce_weight and loss.distill_weight are both 0; set one of them above 0 or receiver_rank=0."
         )
     # another kind's field set away from its default would change nothing
     kinds.check_foreign_fields(c.translator.kind, {k: c.translator[k] for k in kinds.fields() if k in c.translator})
+    d = c.data
+    if not 2 <= d.prefix_tokens < d.total_tokens:  # the context (prefix - 1 tokens) and a prompt of one or more
+        raise MotJaxError(
+            f"data.prefix_tokens={d.prefix_tokens} does not fit data.total_tokens={d.total_tokens}; pass "
+            "2 <= prefix_tokens < total_tokens."
+        )
     held_out, fit_batches = c.translator.skip_ridge_held_out, c.translator.skip_fit_batches
     if held_out and held_out >= fit_batches:
         raise MotJaxError(

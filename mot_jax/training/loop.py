@@ -191,6 +191,7 @@ def train_in(workdir, config, mesh, pair: ModelPair, datasets: Datasets, checkpo
         trainer.state = checkpoints.restore(trainer.state, start)
         logging.info("Resumed from step %d in %s", start, workdir)
         initial, best = meta["initial_validation"], meta["best_validation_loss"]
+        best = math.inf if best is None else best  # saved before the first validation (JSON has no Infinity)
         best_step = checkpoints.best.latest_step()
     else:
         if tcfg.linear_skip:

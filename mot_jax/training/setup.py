@@ -29,8 +29,22 @@ class Datasets:
     validation: list  # fixed batches: the first `eval_batches` score checkpoints, the next ones are held out
 
 
+def check_lengths(config, pair: ModelPair) -> None:
+    """Refuse, in one line, chunks longer than the models' positions (a learned position table would be read past its
+    end, silently; a TPU compile of such shapes can abort the process)."""
+    d = config.data
+    for key, value, side in (("total_tokens", d.total_tokens, "target"), ("source_length", d.source_length, "source")):
+        positions = getattr(pair, side).config.max_positions
+        if value > positions:
+            raise MotJaxError(
+                f"data.{key}={value} is more than the {side}'s {positions} positions; pass --config.data.{key}="
+                f"{positions} or fewer (data.prefix_tokens and data.source_length scaled alike)."
+            )
+
+
 def make_datasets(config, pair: ModelPair, rows: slice = slice(None)) -> Datasets:
     """`rows`: the rows of each global batch this process builds (multihost.local_rows; all of them by default)."""
+    check_lengths(config, pair)
     d = config.data
     documents = corpus.documents(d.corpus, d.data_dir or None)
     eos = pair.target.config.eos_ids
