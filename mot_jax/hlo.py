@@ -128,7 +128,7 @@ def collectives(hlo: str, per_step: bool = False) -> dict:
 def ici_traffic(hlo: str) -> int:
     """Bytes a chip moves over ICI in one step, roughly: its collectives' result bytes as often as they run, an
     all-reduce twice (a ring reduces and then gathers)."""
-    return sum(size * (2 if kind == "all-reduce" else 1) for kind, (_, size) in collectives(hlo, True).items())
+    return sum(size * (2 if op == "all-reduce" else 1) for op, (_, size) in collectives(hlo, True).items())
 
 
 def _tuple_items(result: str) -> list[str]:
