@@ -150,6 +150,30 @@ def test_bad_input_on_the_command_line_is_one_line(tmp_path, flags, reason):
 
 
 @pytest.mark.parametrize(
+    "returned,arg,overrides,said",
+    [
+        ("5", ":tiny", ["--config.steps=3"], "get_config('tiny') of the config file {file} returned int 5, not an "),
+        ("None", "", [], "get_config() of the config file {file} returned None, not an ml_collections.ConfigDict; "),
+        ("dict(steps=3)", "", [], "get_config() of the config file {file} returned dict {{'steps': 3}}, not an "),
+    ],
+)
+def test_a_config_file_whose_get_config_returns_no_config_is_one_line(tmp_path, returned, arg, overrides, said):
+    """It said the config has no key "int object has no attribute to_dict" (or that --config was not given, after
+    ml_collections' warning)."""
+    file = tmp_path / "mine.py"
+    file.write_text(f"def get_config(arg=None):\n    return {returned}\n")
+    result = run_cli(tmp_path / "run", f"--config={file}{arg}", *overrides)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"error: {said.format(file=file)}"), lines
+    assert (
+        lines[0].endswith(
+            "return the config (the files in configs/ start it from base() in mot_jax/training/config.py)."
+        )
+        and not (tmp_path / "run").exists()
+    )
+
+
+@pytest.mark.parametrize(
     "variable,value,reason",
     [
         ("JAX_NUM_PROCESSES", "abc", "JAX_NUM_PROCESSES='abc' is not a whole number"),
