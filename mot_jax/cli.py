@@ -102,6 +102,14 @@ def missing_config_file(config_flag) -> str | None:
     return None if os.path.isfile(path) else path
 
 
+def no_arguments(argv):
+    """Refuse, in one line, words after the command that are not flags (absl hands them to `main` in `argv`); absl's
+    UsageError printed the whole usage and exited 1."""
+    if len(argv) > 1:
+        words = " ".join(map(repr, argv[1:]))
+        fail(f"unexpected argument{'s' * (len(argv) > 2)} {words}; pass options as --name=value (--help lists them).")
+
+
 def fail(message: str, status: int = 2):
     """Report bad input in one line and exit with `status` (2)."""
     print(f"error: {message}", file=sys.stderr)

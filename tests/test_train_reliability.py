@@ -139,6 +139,7 @@ def test_an_empty_workdir_is_refused_not_the_current_directory(tmp_path, monkeyp
         (["--config.grad_accum=0"], "grad_accum=0 must be a whole number of at least 1"),
         (["--config.optim.learning_rate=inf"], "optim.learning_rate=inf must be a finite number of at least 0"),
         (["--config=configs/nope.py"], "the config file configs/nope.py does not exist"),
+        (["foo"], "unexpected argument 'foo'; pass options as --name=value (--help lists them)."),  # absl's usage
     ],
 )
 def test_bad_input_on_the_command_line_is_one_line(tmp_path, flags, reason):
