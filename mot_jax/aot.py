@@ -304,6 +304,7 @@ def trace_train(config, devices):
     trainer = Trainer(config, pair, spec, tcfg, mesh, config.steps, abstract=True)
     traced = trainer.trace_train_step(abstract_batch(config, config.grad_accum))
     models = [("model", source)] if source is target else [("source", source), ("target", target)]
+    models = models if trainer.runs_source else [("target", target)]  # the step takes no weights of a source unread
     weights = [row for name, m in models for row in placement(name, nnx.state(m, nnx.Param))]
     weights += placement("translator", trainer.state["params"])
     return traced, weights, placement("adamw", trainer.state["opt_state"])

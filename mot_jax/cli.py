@@ -9,6 +9,7 @@ import signal
 import sys
 import threading
 
+import ml_collections
 from absl import flags, logging
 from ml_collections import config_flags
 
@@ -34,8 +35,44 @@ def config_error(e: Exception, keys_listed_in: str) -> str:
     return reason
 
 
+FILE_PARSER = config_flags.config_flags.ConfigFileFlagParser  # the parser of a --config=FILE.py flag
+# ml_collections' stand-in for a config file it could not read (it raises when the config is used)
+UNREAD = getattr(config_flags.config_flags, "_ErrorConfig", ())
+
+
+def only_config_dicts(config_flag, keys_listed_in: str):
+    """Make the --config file flag refuse, as it is parsed, a `get_config()` that returns no ConfigDict: every later
+    read of it (its overrides, the config's check) would say the config has no such key."""
+    flag = flags.FLAGS[config_flag.name]
+    if not isinstance(flag.parser, FILE_PARSER):
+        return  # a config dict defined in code (mot_jax.evaluate's)
+    load = flag.parser.parse
+
+    def parse(path):
+        config = load(path)
+        if not isinstance(config, ml_collections.ConfigDict | UNREAD):
+            file, colon, arg = path.partition(":")
+            what = "None" if config is None else f"{type(config).__name__} {config!r:.60}"
+            raise MotJaxError(
+                f"get_config({repr(arg) if colon else ''}) of the config file {file} returned {what}, "
+                f"not an ml_collections.ConfigDict; return the config (the files in configs/ start it from base() "
+                f"in {keys_listed_in})."
+            )
+        return config
+
+    flag.parser.parse = parse
+
+
+def _not_returned_none(record) -> bool:
+    """ml_collections' warning about a get_config() that returned None (refused, in one line, by
+    `only_config_dicts`)."""
+    return "did you forget a return statement" not in record.getMessage()
+
+
 def config_flags_parser(config_flag, keys_listed_in: str):
     """absl's flag parsing, with a bad config file, argument or key reported in one line (exit 2)."""
+    only_config_dicts(config_flag, keys_listed_in)
+    logging.get_absl_logger().addFilter(_not_returned_none)
 
     def parse(argv):
         try:
@@ -63,6 +100,14 @@ def missing_config_file(config_flag) -> str | None:
     except Exception:  # not given, or not parsed
         return None
     return None if os.path.isfile(path) else path
+
+
+def no_arguments(argv):
+    """Refuse, in one line, words after the command that are not flags (absl hands them to `main` in `argv`); absl's
+    UsageError printed the whole usage and exited 1."""
+    if len(argv) > 1:
+        words = " ".join(map(repr, argv[1:]))
+        fail(f"unexpected argument{'s' * (len(argv) > 2)} {words}; pass options as --name=value (--help lists them).")
 
 
 def fail(message: str, status: int = 2):

@@ -15,7 +15,7 @@ import os
 from absl import app, flags
 from ml_collections import config_flags
 
-from mot_jax.cli import config_flags_parser, run_or_exit
+from mot_jax.cli import config_flags_parser, no_arguments, run_or_exit
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file (configs/NAME.py[:ARG]).")
 _TOPOLOGY = flags.DEFINE_string("topology", "v5e:4x4", "TPU topology GENERATION:SHAPE (v4, v5e, v5p, v6e).")
@@ -33,8 +33,7 @@ flags.mark_flags_as_required(["config"])
 
 
 def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
+    no_arguments(argv)
     from mot_jax import aot  # after flag parsing: importing jax is slow
 
     print(run_or_exit(aot.run, _CONFIG.value, _TOPOLOGY.value, _PROGRAM.value, _TOKENS.value, _BATCH.value))

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from absl import app, flags, logging
 
+from mot_jax.cli import no_arguments
 from mot_jax.errors import MotJaxError
 
 FLAGS = flags.FLAGS
@@ -120,8 +121,8 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
     if len(argv) == 2 and not FLAGS.model:  # `python -m mot_jax.convert --check NAME`
         FLAGS.model = argv[1]
-    elif len(argv) > 1:
-        raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
+    else:
+        no_arguments(argv)
     if not FLAGS.model:
         raise app.UsageError("--model is required (an embedded model name, a .gguf file, an id or a directory).")
     try:

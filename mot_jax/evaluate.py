@@ -19,7 +19,7 @@ from __future__ import annotations
 from absl import app, flags
 from ml_collections import config_flags
 
-from mot_jax.cli import config_error, config_flags_parser, fail, log_info_quietly, run_or_exit
+from mot_jax.cli import config_error, config_flags_parser, fail, log_info_quietly, no_arguments, run_or_exit
 from mot_jax.evals.config import defaults
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Training workdir of the translator to evaluate.")
@@ -36,8 +36,7 @@ flags.mark_flags_as_required(["workdir"])
 
 
 def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
+    no_arguments(argv)
     config = flags.FLAGS.config
     if config.kvcomm.calib_size < 1:  # the calibration would measure nothing
         fail(

@@ -15,7 +15,7 @@ import os
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from mot_jax.cli import config_flags_parser, log_info_quietly, run_or_exit
+from mot_jax.cli import config_flags_parser, log_info_quietly, no_arguments, run_or_exit
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file (configs/NAME.py[:ARG]).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, logs and TensorBoard events.")
@@ -41,8 +41,7 @@ _DISTRIBUTED = flags.DEFINE_bool(
 
 
 def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
+    no_arguments(argv)
     log_info_quietly()
     from mot_jax import multihost  # after flag parsing: importing jax is slow
     from mot_jax.paths import use_compilation_cache

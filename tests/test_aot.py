@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import load_config, tiny_batch
@@ -299,6 +300,24 @@ def test_tiny_training_step_on_one_chip_has_no_collectives():
     _, devices = aot.topology("v5e:2x2")
     traced, _, _ = aot.trace_train(config, devices)  # the mesh takes the first chip only
     assert hlo.collectives(traced.lower().compile().as_text(), per_step=True) == {}
+
+
+def test_a_training_step_that_reads_no_source_takes_none_of_its_weights():
+    """Self-prediction reads the target alone: its compiled step counted the source model's weights among the frozen
+    weights and its traced forward (dead code) among the step's FLOPs. It takes the target's alone now; a replay,
+    which reads the source, still takes both."""
+    from flax import nnx
+
+    from mot_jax.models.registry import build_model
+
+    size = lambda tree: sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
+    state = lambda name: nnx.state(build_model(aot.model_config(name), jnp.float32, abstract=True))
+    for arg, frozen in (("self_prediction,tiny", ("target",)), ("replay,tiny", ("source", "target"))):
+        config = load_config("smollm2_gemma3.py", arg)
+        traced, weights, _ = aot.trace_train(config, jax.devices()[:1])
+        assert {name.split(".")[0] for name, *_ in weights} == {*frozen, "translator"}
+        llm_states = traced.args_info[0][1]
+        assert size(llm_states) == sum(size(state(config[name])) for name in frozen), arg
 
 
 def test_train_takes_its_shapes_from_the_config():

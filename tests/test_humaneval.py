@@ -15,7 +15,7 @@ import pytest
 from helpers import small_config
 
 from mot_jax.errors import MotJaxError
-from mot_jax.evals import datasets, execution, humaneval, run
+from mot_jax.evals import datasets, execution, humaneval, report, run
 from mot_jax.evals.methods import Native, NoContext
 from mot_jax.evals.prompts import Settings, decode_answers, prefix_text, suffix_text, token_ids
 from mot_jax.evals.tasks import evaluate_examples, paired
@@ -150,6 +150,19 @@ def test_generations_are_cut_at_the_first_stop_sequence():
     indented = body + "\n    if a:\n        # a comment\n        print(a)\n"  # inside the body: no stop
     assert humaneval.completion(indented) == indented
     assert humaneval.completion("") == ""
+
+
+def test_the_report_says_how_many_tokens_each_task_generated():
+    """A humaneval-only report's general line said "greedy, 32 new tokens" (max_new_tokens, the other tasks' limit)
+    though its completions ran to humaneval_max_new_tokens; beside another task it names both."""
+    config = dict(max_new_tokens=32, humaneval_max_new_tokens=384, humaneval_timeout=3.0)
+    meta = dict(methods={}, source="s", target="t", dtype="float32", data="d", machine="m", seconds=1.0, config=config)
+    code = dict(pass_at_1=0.5, pass_at_1_se=0.1, logprob=-1.0, logprob_se=0.1, retention=1.0, examples_per_s=1.0)
+    humaneval_only = report.markdown(dict(meta=meta, tasks={"humaneval": dict(examples=3, methods={"native": code})}))
+    assert "; greedy, 384 new tokens; m;" in humaneval_only and "32 new tokens" not in humaneval_only
+    both = dict(humaneval=dict(examples=3, methods={"native": code}), extractive_qa=dict(examples=3, methods={}))
+    assert report.new_tokens(config, both) == "32 new tokens (384 for humaneval)"
+    assert report.new_tokens(config, {"extractive_qa": None}) == report.new_tokens(config, {}) == "32 new tokens"
 
 
 def test_a_problem_splits_into_its_context_and_its_last_line():

@@ -36,6 +36,7 @@ from mot_jax.cli import run_or_exit
 from mot_jax.errors import Interrupted, MotJaxError
 from mot_jax.locks import file_lock
 from mot_jax.paths import as_path
+from mot_jax.training import config as config_lib
 from mot_jax.training import loop, optim
 from mot_jax.training.checkpoint import Checkpoints
 from mot_jax.training.report import Logger
@@ -57,6 +58,7 @@ FAST = {"translator.channels.mode": "terminal"}  # no channel search: one traine
         ("translator.shared_slots", 0, 1),
         ("translator.receiver_rank", -1, 0),  # was refused only once both models had loaded
         ("data.source_length", 0, 1),
+        ("optim.warmup_steps", -1, 0),
     ],
 )
 def test_bad_counts_are_refused_before_anything_is_written(tmp_path, key, value, least):
@@ -79,6 +81,29 @@ def test_negative_loss_weights_are_refused(tmp_path, key):
     # a negative weight trains the translator to make that term larger
     with pytest.raises(MotJaxError, match=rf"^{key}=-0.5 must be a finite number of at least 0; pass --config.{key}="):
         loop.train_and_evaluate(load_config(**{key: -0.5}), tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    "key,value,needs",
+    [
+        ("optim.learning_rate", math.inf, "a finite number of at least 0"),  # config.json held a bare Infinity
+        ("optim.learning_rate", math.nan, "a finite number of at least 0"),
+        ("optim.learning_rate", -1e-4, "a finite number of at least 0"),  # would climb the loss
+        ("optim.weight_decay", -0.01, "a finite number of at least 0"),
+        ("optim.weight_decay", math.inf, "a finite number of at least 0"),
+        ("optim.b1", 1.0, "at least 0 and below 1"),  # Adam's bias correction divides by 1 - b^t
+        ("optim.b2", -0.5, "at least 0 and below 1"),
+        ("optim.eps", 0.0, "above 0 and finite"),  # a parameter with no gradient divides 0 by 0
+        ("optim.clip_norm", 0.0, "above 0 and finite (a large norm clips nothing)"),  # every update scaled to 0
+        ("optim.clip_norm", math.nan, "above 0 and finite (a large norm clips nothing)"),
+    ],
+)
+def test_bad_optimizer_values_are_refused_before_anything_is_written(tmp_path, key, value, needs):
+    default = config_lib.lookup(config_lib.base(), key)
+    message = f"{key}={value!r} must be {needs}; pass --config.{key}=X, e.g. the default {default!r}."
+    with pytest.raises(MotJaxError, match=f"^{re.escape(message)}$"):
+        loop.train_and_evaluate(load_config(**{key: value}), tmp_path / "run")
     assert not (tmp_path / "run").exists()
 
 
@@ -112,7 +137,9 @@ def test_an_empty_workdir_is_refused_not_the_current_directory(tmp_path, monkeyp
     [
         (["--config.batch_size=-2"], "batch_size=-2 must be a whole number of at least 1"),
         (["--config.grad_accum=0"], "grad_accum=0 must be a whole number of at least 1"),
+        (["--config.optim.learning_rate=inf"], "optim.learning_rate=inf must be a finite number of at least 0"),
         (["--config=configs/nope.py"], "the config file configs/nope.py does not exist"),
+        (["foo"], "unexpected argument 'foo'; pass options as --name=value (--help lists them)."),  # absl's usage
     ],
 )
 def test_bad_input_on_the_command_line_is_one_line(tmp_path, flags, reason):
@@ -121,6 +148,30 @@ def test_bad_input_on_the_command_line_is_one_line(tmp_path, flags, reason):
     errors = [line for line in result.stderr.splitlines() if line.startswith(("E", "error"))]
     assert result.returncode == 2 and len(errors) == 1 and errors[0].startswith(f"error: {reason}"), errors
     assert "Traceback" not in result.stderr and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    "returned,arg,overrides,said",
+    [
+        ("5", ":tiny", ["--config.steps=3"], "get_config('tiny') of the config file {file} returned int 5, not an "),
+        ("None", "", [], "get_config() of the config file {file} returned None, not an ml_collections.ConfigDict; "),
+        ("dict(steps=3)", "", [], "get_config() of the config file {file} returned dict {{'steps': 3}}, not an "),
+    ],
+)
+def test_a_config_file_whose_get_config_returns_no_config_is_one_line(tmp_path, returned, arg, overrides, said):
+    """It said the config has no key "int object has no attribute to_dict" (or that --config was not given, after
+    ml_collections' warning)."""
+    file = tmp_path / "mine.py"
+    file.write_text(f"def get_config(arg=None):\n    return {returned}\n")
+    result = run_cli(tmp_path / "run", f"--config={file}{arg}", *overrides)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"error: {said.format(file=file)}"), lines
+    assert (
+        lines[0].endswith(
+            "return the config (the files in configs/ start it from base() in mot_jax/training/config.py)."
+        )
+        and not (tmp_path / "run").exists()
+    )
 
 
 @pytest.mark.parametrize(
@@ -566,6 +617,15 @@ def strict_json_files(folder) -> list:
         except ValueError:
             bad.append(str(path.relative_to(folder)))
     return bad
+
+
+def test_a_config_is_written_as_strict_json():
+    """config.json and the checkpoints' meta hold the config as `to_json` writes it: a non-finite value that no check
+    refuses (the mixture's capacity factor here) was written as a bare Infinity, which JSON does not allow."""
+    config = load_config(**{"translator.capacity_factor": math.inf})
+    saved = json.loads(config_lib.to_json(config), parse_constant=lambda constant: pytest.fail(constant))
+    assert saved["translator"]["capacity_factor"] is None
+    assert saved["translator"]["dim"] == config.translator.dim and saved["optim"] == config.optim.to_dict()
 
 
 def test_a_checkpoint_before_any_validation_is_strict_json_and_resumes(tmp_path, monkeypatch):

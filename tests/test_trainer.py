@@ -209,3 +209,30 @@ def test_a_rematerialised_step_trains_the_translator_as_the_plain_one_does():
     c.remat = "everything"
     with pytest.raises(MotJaxError, match=r"^remat='everything' is not one of none, dots, nothing"):
         config_lib.check(c)
+
+
+def test_a_translator_that_reads_no_source_trains_as_before_without_the_sources_weights(monkeypatch):
+    """Self-prediction reads the target alone: its steps took the source's weights and ran its forward (nothing read
+    it). Now they take the target's alone, and the linear skip's fit and two steps leave the translator where the
+    steps that still ran the source (`runs_source` forced) leave it."""
+    from helpers import load_config
+
+    from mot_jax.training import trainer as trainer_lib
+
+    c = load_config("smollm2_gemma3.py", "self_prediction,tiny")
+    results = []
+    for forced in (False, True):
+        if forced:
+            monkeypatch.setattr(trainer_lib, "runs_source", lambda spec: True)
+        trainer, pair = trainer_for(c, make_mesh(c), steps=2)
+        target_state = nnx.state(pair.target)
+        assert len(trainer.llm_states) == 1 + forced and trainer.runs_source == forced
+        assert jax.tree.leaves(trainer.llm_states[-1]) == jax.tree.leaves(target_state)
+        batches = [tiny_batch(pair.source_tokenizer, pair.target_tokenizer, offset=2 * i) for i in range(2)]
+        trainer.fit_linear_skip(batches[:1])
+        fit(trainer, Fixed(batches), 0, 2)
+        results.append((jax.device_get(trainer.state["params"]), trainer.evaluate(batches[:1])))
+    (params, metrics), (params_before, metrics_before) = results
+    for now, before in zip(jax.tree.leaves(params), jax.tree.leaves(params_before), strict=True):
+        np.testing.assert_allclose(now, before, rtol=1e-6, atol=1e-7)
+    assert metrics == pytest.approx(metrics_before, rel=1e-6, abs=1e-7)

@@ -208,6 +208,15 @@ def cut_note(cut: dict) -> str:
     )
 
 
+def new_tokens(config: dict, tasks) -> str:
+    """The answers' length limit, as the tasks generated: `max_new_tokens`, but humaneval's completions
+    `humaneval_max_new_tokens`."""
+    code = f"{config['humaneval_max_new_tokens']}" if "humaneval" in tasks else None
+    if tasks and all(task == "humaneval" for task in tasks):
+        return f"{code} new tokens"
+    return f"{config['max_new_tokens']} new tokens" + (f" ({code} for humaneval)" if code else "")
+
+
 def markdown(results: dict) -> str:
     meta = results["meta"]
     translators = ", ".join(f"{n} (step {m['step']}, {m['workdir']})" for n, m in meta["methods"].items()) or "none"
@@ -216,7 +225,7 @@ def markdown(results: dict) -> str:
         "",
         f"Translators: {translators}. "
         f"Data: {meta['data']}; {'chat-template' if meta.get('chat_template') else 'plain'} prompts; greedy, "
-        f"{meta['config']['max_new_tokens']} new tokens; {meta['machine']}; "
+        f"{new_tokens(meta['config'], results['tasks'])}; {meta['machine']}; "
         f"{meta['seconds']:.0f} s. Retention = the method's score as a percentage of native context's. "
         "Gold log-prob: the mean log-probability per token of the first gold answer read after the question "
         "(teacher-forced). Native-correct F1: over the examples native context answers exactly and no context "

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from absl import app, flags, logging
 
-from mot_jax.cli import run_or_exit
+from mot_jax.cli import no_arguments, run_or_exit
 from mot_jax.errors import MotJaxError, cause
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Training workdir holding a finished checkpoint.")
@@ -45,8 +45,7 @@ def export_workdir(workdir, out, which="last"):
 
 
 def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
+    no_arguments(argv)
     logging.set_verbosity(logging.WARNING)  # Orbax reports every read at INFO
     out, trained = run_or_exit(export_workdir, _WORKDIR.value, _OUT.value, _WHICH.value)
     print(

@@ -6,11 +6,13 @@ config, so a misspelt `--config.key=value` fails instead of being ignored.
 
 from __future__ import annotations
 
+import json
 import math
 
 import ml_collections
 
 from mot_jax.errors import MotJaxError
+from mot_jax.files import strict_json
 from mot_jax.models.base import REMAT_POLICIES
 from mot_jax.translate import kinds
 
@@ -223,10 +225,27 @@ COUNTS = {
     "translator.top_k": 1,
     "translator.skip_ridge_held_out": 0,
     "translator.receiver_rank": 0,  # 0: the target stays frozen
+    "optim.warmup_steps": 0,  # 0 (as 1): the full rate from the first update
 }
 # each loss term's weight (a negative one would train the translator to maximise that term) and the fit's ridge; the
 # KL's temperature is no weight: it must be above 0 (`check`)
 WEIGHTS = [f"loss.{k}" for k in base().loss if k != "distill_temperature"] + ["translator.skip_ridge"]
+# AdamW's numbers (`optim.adamw`): key -> (their range in words, whether a value is in it). A learning rate of 0 keeps
+# a linear skip's least-squares start as it is; a clip norm of 0 would scale every update to 0 (or NaN)
+OPTIM = {
+    "optim.learning_rate": ("a finite number of at least 0", lambda v: 0 <= v < math.inf),
+    "optim.weight_decay": ("a finite number of at least 0", lambda v: 0 <= v < math.inf),
+    "optim.b1": ("at least 0 and below 1", lambda v: 0 <= v < 1),
+    "optim.b2": ("at least 0 and below 1", lambda v: 0 <= v < 1),
+    "optim.eps": ("above 0 and finite", lambda v: 0 < v < math.inf),
+    "optim.clip_norm": ("above 0 and finite (a large norm clips nothing)", lambda v: 0 < v < math.inf),
+}
+
+
+def to_json(c: ml_collections.ConfigDict, **kwargs) -> str:
+    """The config as JSON (a run's config.json, its checkpoints' meta), strict as every JSON file here: a
+    non-finite float that no check refused is written as null, not as the bare Infinity or NaN JSON does not allow."""
+    return strict_json(json.loads(c.to_json_best_effort()), **kwargs)
 
 
 def lookup(c: ml_collections.ConfigDict, key: str):
@@ -269,6 +288,12 @@ def check(c: ml_collections.ConfigDict):
         if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
             raise MotJaxError(
                 f"{key}={value!r} must be a finite number of at least 0; pass --config.{key}=W with W >= 0."
+            )
+    for key, (needs, allowed) in OPTIM.items():
+        value = lookup(c, key)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not allowed(value):
+            raise MotJaxError(
+                f"{key}={value!r} must be {needs}; pass --config.{key}=X, e.g. the default {lookup(base(), key)!r}."
             )
     temperature = c.loss.distill_temperature
     if isinstance(temperature, bool) or not isinstance(temperature, int | float) or not 0 < temperature < math.inf:

@@ -203,7 +203,7 @@ def train_in(workdir, config, mesh, pair: ModelPair, datasets: Datasets, checkpo
         )
         best, best_step = math.inf, None
     if jax.process_index() == 0:  # the config the run trains on now (a resume may have changed safe keys)
-        (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
+        (workdir / "config.json").write_text(config_lib.to_json(config, indent=2))
     logging.info("Translator: %d parameters; channel map %s", count_params(trainer.state["params"]), channel_map)
     accum = config.grad_accum
     tokens_per_step = config.batch_size * accum * config.data.total_tokens
@@ -215,7 +215,7 @@ def train_in(workdir, config, mesh, pair: ModelPair, datasets: Datasets, checkpo
             data_position=step * accum,
             channel_map=channel_map.to_json(),
             identity=current,
-            config=config.to_json_best_effort(),
+            config=config_lib.to_json(config),
             initial_validation=initial,
             best_validation_loss=best,
             config_changes=changes,

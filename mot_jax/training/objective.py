@@ -160,13 +160,18 @@ def attention_error(reads: NativeReads, k, v, softcap=None):
     return error / jnp.maximum((jnp.square(want) * weight).sum((1, 2, 3)), 1e-12)
 
 
-def frozen_forwards(source, target, batch, topk: int, reads=False, layer_inputs=False, last_hidden=False):
+def frozen_forwards(
+    source, target, batch, topk: int, reads=False, run_source=True, layer_inputs=False, last_hidden=False
+):
     """The source's cache (and attention top-k for sparse replay; `layer_inputs`, MoT-h's: its layer inputs in the
-    cache layout, `source_read`; `last_hidden`, Interlat's: its last hidden states) and the target's native
-    cache of the context; with `reads=True` a fourth value, the target's `NativeReads` of the prompt after that cache
-    (the attention term's)."""
-    args = (batch.source_ids, batch.source_mask, topk, layer_inputs, last_hidden)
-    source_cache, source_topk = source_read(source, *args)
+    cache layout, `source_read`; `last_hidden`, Interlat's: its last hidden states; both None when not
+    `run_source`: a translator that reads nothing of it, `pipeline.runs_source`) and the target's native cache of the
+    context; with `reads=True` a fourth value, the target's `NativeReads` of the prompt after that cache (the
+    attention term's)."""
+    source_cache = source_topk = None
+    if run_source:
+        args = (batch.source_ids, batch.source_mask, topk, layer_inputs, last_hidden)
+        source_cache, source_topk = source_read(source, *args)
     native = target.run_layers(Forward(batch.context, batch.context_mask, fresh=True)).cache
     if not reads:
         return source_cache, source_topk, native

@@ -14,6 +14,7 @@ from mot_jax import sharding
 from mot_jax.errors import MotJaxError
 from mot_jax.models.model_pair import ModelPair
 from mot_jax.training import chunk_table, corpus, data
+from mot_jax.training import config as config_lib
 from mot_jax.translate import kinds, window
 from mot_jax.translate.config import TranslatorConfig
 from mot_jax.translate.spec import TranslationSpec
@@ -174,7 +175,7 @@ def config_changes(saved: str, config, workdir, step: int) -> dict:
     """{key: [saved value, value now]} of the keys that resuming the run saved with config `saved` (JSON) at `step`
     changes; a change of any key outside RESUMABLE would make the run's record false, and is refused. Keys one side
     lacks (added since, or dropped) count as unchanged."""
-    before, now = flat(json.loads(saved)), flat(json.loads(config.to_json_best_effort()))
+    before, now = flat(json.loads(saved)), flat(json.loads(config_lib.to_json(config)))
     changed = {k: [before[k], now[k]] for k in sorted(before.keys() & now.keys()) if before[k] != now[k]}
     refused = [f"{k}={changed[k][0]!r} (now {changed[k][1]!r})" for k in changed if k not in RESUMABLE]
     if refused:

@@ -33,6 +33,7 @@ from mot_jax.training.optim import adamw
 from mot_jax.translate import kinds
 from mot_jax.translate.donors import donor_indices, regrid
 from mot_jax.translate.linear_skip import RIDGE_GRID, choose_ridge, linear_skip_sums, solve_linear_skip
+from mot_jax.translate.pipeline import runs_source
 from mot_jax.translate.translator import KVTranslator
 
 
@@ -44,15 +45,20 @@ class Trainer:
         ShapeDtypeStructs in their shardings, no array anywhere: the steps then only trace, to be compiled ahead of
         time for devices this process does not drive (`mot_jax.aot`, a TPU topology)."""
         self.config, self.pair, self.mesh = config, pair, mesh
+        # a translator that runs no source (the source-free control, self-prediction) reads the source's config alone
+        # (its depth, whether it rotates keys): the steps neither run nor take its weights, only its shapes
+        self.runs_source = runs_source(spec)
+        frozen = (pair.source, pair.target) if self.runs_source else (pair.target,)
+        self.source_shapes = None if self.runs_source else shapes_of(pair.source)
         rules = sharding.llm_rules(config)
-        for model in (pair.source, pair.target):  # a no-op for weights loaded onto the mesh (`load_pair`)
+        for model in frozen:  # a no-op for weights loaded onto the mesh (`load_pair`)
             sharding.shard(model, mesh, rules)
             model.remat = config.remat
         make = lambda: KVTranslator(spec, tcfg, rngs=nnx.Rngs(config.seed))
         translator = nnx.eval_shape(make) if abstract else make()
         sharding.shard(translator, mesh, rules)  # with `mesh.fsdp`, it and its AdamW state split over `data` too
         self.graphdef, params = nnx.split(translator, nnx.Param)
-        self.llm_graphs, self.llm_states = zip(*(nnx.split(m) for m in (pair.source, pair.target)))
+        self.llm_graphs, self.llm_states = zip(*(nnx.split(m) for m in frozen))
         self.tx, self.schedule = adamw(config.optim, total_steps)
         rng = jax.random.key_data(jax.random.key(config.seed))
         replicated = NamedSharding(mesh, PartitionSpec())
@@ -84,7 +90,8 @@ class Trainer:
     def _models(self, params, llm_states):
         params = jax.tree.map(lambda p: p.astype(self.compute_dtype), params)
         translator = nnx.merge(self.graphdef, params)
-        source, target = (nnx.merge(g, s) for g, s in zip(self.llm_graphs, llm_states))
+        models = [nnx.merge(g, s) for g, s in zip(self.llm_graphs, llm_states)]
+        source, target = models if self.runs_source else (self.source_shapes, *models)
         return translator, source, target
 
     def _loss(self, params, llm_states, batch, noise=None, prompt=False):
@@ -93,7 +100,8 @@ class Trainer:
         if batch.features is not None:  # the feature cache: the frozen forwards' outputs, read from disk
             frozen, side = batch.features.unpack()
         else:
-            frozen = objective.frozen_forwards(source, target, batch, self.topk, reads, **self.source_hands)
+            args = (self.topk, reads, self.runs_source)
+            frozen = objective.frozen_forwards(source, target, batch, *args, **self.source_hands)
 
         def loss_fn(p):
             translator, _, _ = self._models(p, llm_states)
@@ -146,7 +154,7 @@ class Trainer:
 
     def _skip_sums_step(self, params, llm_states, batch):
         translator, source, target = self._models(params, llm_states)
-        source_cache, _, native = objective.frozen_forwards(source, target, batch, topk=0)
+        source_cache, _, native = objective.frozen_forwards(source, target, batch, topk=0, run_source=self.runs_source)
         return linear_skip_sums(
             translator, source, target, source_cache, batch.alignment, native, batch.context_mask, batch.context
         )
@@ -238,6 +246,12 @@ class Trainer:
                 var.set_value(jax.device_put(value.astype(var.dtype), var[...].sharding))
         self.state["params"] = nnx.state(translator, nnx.Param)
         return results
+
+
+def shapes_of(model):
+    """`model` with its weights' shapes and dtypes in place of their arrays: its config and structure, no memory."""
+    graphdef, state = nnx.split(model)
+    return nnx.merge(graphdef, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state))
 
 
 def abstract_batch(config, micro_batches: int | None = None):
