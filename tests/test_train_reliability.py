@@ -629,12 +629,12 @@ def test_a_config_is_written_as_strict_json():
 
 
 def test_a_checkpoint_before_any_validation_is_strict_json_and_resumes(tmp_path, monkeypatch):
-    """Step 1 is saved before the first validation (step 2): its meta held best_validation_loss=Infinity."""
-    config = load_config(**FAST, steps=2, eval_every=2, checkpoint_every=1)
+    """Step 1 is saved before the first validation (step 3): its meta held best_validation_loss=Infinity."""
+    config = load_config(**FAST, steps=3, eval_every=3, checkpoint_every=1)
     whole, trained = whole_and_resumed(config, tmp_path, monkeypatch, stop_after=1)
     assert strict_json_files(tmp_path) == []
     assert (tmp_path / "resumed" / "checkpoints" / "1").is_dir()  # the resume started from that checkpoint
     resumed = json.loads((tmp_path / "resumed" / "summary.json").read_text())
-    assert resumed["best"] == whole["best"] and resumed["best"]["step"] == 2  # read back as no validation yet
+    assert resumed["best"] == whole["best"] and resumed["best"]["step"] == 3  # read back as no validation yet
     for a, b in zip(jax.tree.leaves(nnx.state(trained[0])), jax.tree.leaves(nnx.state(trained[1]))):
         np.testing.assert_array_equal(a, b)
