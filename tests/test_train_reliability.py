@@ -97,9 +97,15 @@ def test_negative_loss_weights_are_refused(tmp_path, key):
         ("optim.eps", 0.0, "above 0 and finite"),  # a parameter with no gradient divides 0 by 0
         ("optim.clip_norm", 0.0, "above 0 and finite (a large norm clips nothing)"),  # every update scaled to 0
         ("optim.clip_norm", math.nan, "above 0 and finite (a large norm clips nothing)"),
+        ("data.question_fraction", 1.5, "a share from 0 to 1"),
+        ("data.copy_fraction", -0.1, "a share from 0 to 1"),
+        ("translator.channels.ratio", 0.0, "a share of the layers above 0 and at most 1"),
+        ("translator.channels.max_ratio", 2.0, "a share of the layers above 0 and at most 1"),
+        ("translator.capacity_factor", math.inf, "above 0 and finite"),  # the dispatch's OverflowError
+        ("translator.capacity_factor", 0.0, "above 0 and finite"),
     ],
 )
-def test_bad_optimizer_values_are_refused_before_anything_is_written(tmp_path, key, value, needs):
+def test_values_out_of_their_range_are_refused_before_anything_is_written(tmp_path, key, value, needs):
     default = config_lib.lookup(config_lib.base(), key)
     message = f"{key}={value!r} must be {needs}; pass --config.{key}=X, e.g. the default {default!r}."
     with pytest.raises(MotJaxError, match=f"^{re.escape(message)}$"):

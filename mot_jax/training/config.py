@@ -230,15 +230,25 @@ COUNTS = {
 # each loss term's weight (a negative one would train the translator to maximise that term) and the fit's ridge; the
 # KL's temperature is no weight: it must be above 0 (`check`)
 WEIGHTS = [f"loss.{k}" for k in base().loss if k != "distill_temperature"] + ["translator.skip_ridge"]
-# AdamW's numbers (`optim.adamw`): key -> (their range in words, whether a value is in it). A learning rate of 0 keeps
-# a linear skip's least-squares start as it is; a clip norm of 0 would scale every update to 0 (or NaN)
-OPTIM = {
+# numbers with a range: key -> (the range in words, whether a value is in it). AdamW's (`optim.adamw`): a learning rate
+# of 0 keeps a linear skip's least-squares start as it is; a clip norm of 0 would scale every update to 0 (or NaN).
+# Shares of the batch's rows and of the layers; the experts' capacity (an infinite one overflowed the dispatch)
+SHARE = ("a share from 0 to 1", lambda v: 0 <= v <= 1)
+LAYER_SHARE = ("a share of the layers above 0 and at most 1", lambda v: 0 < v <= 1)
+RANGES = {
     "optim.learning_rate": ("a finite number of at least 0", lambda v: 0 <= v < math.inf),
     "optim.weight_decay": ("a finite number of at least 0", lambda v: 0 <= v < math.inf),
     "optim.b1": ("at least 0 and below 1", lambda v: 0 <= v < 1),
     "optim.b2": ("at least 0 and below 1", lambda v: 0 <= v < 1),
     "optim.eps": ("above 0 and finite", lambda v: 0 < v < math.inf),
     "optim.clip_norm": ("above 0 and finite (a large norm clips nothing)", lambda v: 0 < v < math.inf),
+    "data.copy_fraction": SHARE,
+    "data.question_fraction": SHARE,
+    "data.fact_fraction": SHARE,
+    "translator.channels.ratio": LAYER_SHARE,
+    "translator.channels.min_ratio": LAYER_SHARE,
+    "translator.channels.max_ratio": LAYER_SHARE,
+    "translator.capacity_factor": ("above 0 and finite", lambda v: 0 < v < math.inf),
 }
 
 
@@ -289,7 +299,7 @@ def check(c: ml_collections.ConfigDict):
             raise MotJaxError(
                 f"{key}={value!r} must be a finite number of at least 0; pass --config.{key}=W with W >= 0."
             )
-    for key, (needs, allowed) in OPTIM.items():
+    for key, (needs, allowed) in RANGES.items():
         value = lookup(c, key)
         if isinstance(value, bool) or not isinstance(value, int | float) or not allowed(value):
             raise MotJaxError(
