@@ -51,6 +51,50 @@ def test_records_stack_over_the_layers_that_ran_in_the_scan_and_over_per_layer_w
     np.testing.assert_array_equal(scanned.cache.k[3:], plain.cache.k[3:])  # layers above stop never ran: still zeros
 
 
+@struct.dataclass
+class KeyValuesFromLayer(LayerHook):
+    """Layers from `first` on write their new tokens' K/V of the input stream of layer `first` (carried up)."""
+
+    first: int = struct.field(pytree_node=False)
+
+    def carry(self, x):
+        return {"held": jnp.zeros_like(x)}
+
+    def layer_input(self, x, layer, record):
+        record.carried["held"] = jnp.where(layer == self.first, x, record.carried["held"])
+        return x
+
+    def key_values(self, new, layer, record):
+        k, v = new.project(record.carried["held"])
+        use = layer >= self.first
+        return new.replace(k=jnp.where(use, k, new.k), v=jnp.where(use, v, new.v))
+
+
+def test_a_hook_replaces_the_key_values_a_layer_writes_from_a_state_it_carried_up(model):
+    ids = jax.random.randint(jax.random.key(1), (2, 6), 3, model.config.vocab_size)
+    positions = jnp.tile(jnp.arange(6), (2, 1))
+    plain = model.run_layers(Forward(ids), hooks=[LayerInputs()])
+    hooked = model.run_layers(Forward(ids), hooks=[KeyValuesFromLayer(1)])
+    # the cache holds what layers 2 and 3's own projections make of layer 1's input; the layers below keep their own
+    held = jnp.stack([plain.records["inputs"][1]] * 2, 2)  # [B, T, 2 layers, D]
+    k, v = model.layer_key_values((2, 3), held, held, positions)
+    np.testing.assert_allclose(hooked.cache.k[2:], k.transpose(2, 0, 3, 1, 4), atol=1e-6, rtol=0)
+    np.testing.assert_allclose(hooked.cache.v[2:], v.transpose(2, 0, 3, 1, 4), atol=1e-6, rtol=0)
+    np.testing.assert_array_equal(hooked.cache.k[:2], plain.cache.k[:2])
+    assert not np.allclose(hooked.hidden, plain.hidden, atol=1e-3)  # the attention read what was written
+    # the layers one after another carry the state as the scan does, and a forward after a cache (the decode path)
+    # as a fresh prefill does
+    unrolled = model.run_layers(Forward(ids, weights=model.layer_params()), hooks=[KeyValuesFromLayer(1)])
+    np.testing.assert_allclose(unrolled.hidden, hooked.hidden, atol=1e-5, rtol=0)
+    first = model.run_layers(Forward(ids[:, :4]), model.init_cache(2, 6), [KeyValuesFromLayer(1)])
+    rest = model.run_layers(Forward(ids[:, 4:]), first.cache, [KeyValuesFromLayer(1)])
+    np.testing.assert_allclose(rest.hidden, hooked.hidden[:, 4:], atol=1e-5, rtol=0)
+    # with no layer at or above `first` the hook changes nothing: bit for bit the plain run
+    untouched = model.run_layers(Forward(ids), hooks=[LayerInputs(), KeyValuesFromLayer(model.config.num_layers)])
+    np.testing.assert_array_equal(untouched.hidden, plain.hidden)
+    np.testing.assert_array_equal(untouched.cache.k, plain.cache.k)
+
+
 def operands(dtype=jnp.float32):
     q = jnp.ones((1, 4, 2, 8), dtype)
     k = v = jnp.ones((1, 1, 4, 8), dtype)

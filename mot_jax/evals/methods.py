@@ -211,20 +211,28 @@ class Translated(Method):
     def __init__(self, name: str, translator, workdir: str, step: int):
         self.name, self.translator, self.workdir, self.step = name, translator, workdir, step
         self.load = {}  # "key" / "value" (mot_h: "hidden") -> tokens routed to each expert, summed over the evaluation
-        self.adapted = (None, None)  # (a target, it with the queries the translator adapted): made once (`reader`)
+        self.adapted = (None, None)  # (a target, it as it reads after this translator's cache): made once (`reader`)
 
     @property
     def answerer(self):
-        return ("adapted", id(self.translator)) if self.translator.cfg.receiver_rank else "target"
+        return ("adapted", id(self.translator)) if self.translator.changes_reader else "target"
 
     def reader(self, models, settings):
-        """The target answers, through the query projections its translator adapted when it did
-        (`translate/receiver.py`; made once per target)."""
-        if not self.translator.cfg.receiver_rank:
+        """The target answers, as it reads after its translator's cache (`KVTranslator.receiver`: through the query
+        projections the translator adapted, and the new tokens' K/V its kind makes, where it does; made once per
+        target)."""
+        if not self.translator.changes_reader:
             return models, settings
         if self.adapted[0] is not models.target:
             self.adapted = (models.target, self.translator.receiver(models.target))
         return dataclasses.replace(models, target=self.adapted[1]), settings
+
+    def translating(self, models):
+        """`models` with the target itself where `reader` put the target as it reads after this cache: the translation
+        is the target's own work, as in training, whichever model then reads the cache (a reader whose new tokens'
+        K/V are mapped would map the context's first token too, whose K/V are the target's own)."""
+        target, reader = self.adapted
+        return dataclasses.replace(models, target=target) if reader is not None and models.target is reader else models
 
     def read_source(self, models, contexts, watch) -> SourceRead:
         """The source's side of a batch, the source having read the contexts' text (no source runs for the
@@ -247,7 +255,7 @@ class Translated(Method):
         """(target cache, aux) of the translator writing the contexts' target grid from `read` (`read_source`). The
         target's own bottom layers over the contexts (the dial's, `CausalLM.run_bottom`) run once per batch for every
         method that reads them (a translator, its shuffled-source control, another run's translator at that bottom)."""
-        spec, side = self.translator.spec, None
+        spec, side, models = self.translator.spec, None, self.translating(models)
         if self.window_path:
             args = (models.target, contexts.ids, contexts.mask)
             run = lambda: bottom_run_jit(*args, native_bottom=spec.native_bottom, capacity=capacity)
@@ -266,7 +274,7 @@ class Translated(Method):
 
     def translation_args(self, models, contexts, read: SourceRead) -> tuple:
         """`translate_jit`'s arguments for the contexts (shared by the timed run and the memory plan)."""
-        source, target = models.source, models.target
+        source, target = models.source, self.translating(models).target
         return self.translator, source, target, read.cache, read.alignment, contexts.ids, contexts.mask, read.topk
 
     def handed(self, models, source_mask) -> np.ndarray:
@@ -299,6 +307,7 @@ class Recomputed(Translated):
 
     def translate(self, models, contexts, read: SourceRead, capacity, watch):
         cache, aux = super().translate(models, contexts, read, capacity, watch)
+        models = self.translating(models)
         hidden = contexts.shared[self.bottom_key(models, capacity)][0][1]  # timed by the translation's call
         start = self.translator.spec.native_bottom
         redo = recompute(models.target, cache, hidden, contexts.ids, contexts.mask, fraction=self.fraction, start=start)

@@ -78,7 +78,7 @@ def evaluate_examples(models, methods, examples, settings: Settings, progress=No
     per-example predictions under "predictions". `progress(done, total)` counts answers (a method's on one example)
     after each batch of every method, so a slow batch of many methods still shows; `record(method name, first example
     index, predictions)` takes each batch's predictions (partial results). Methods that answer with another model
-    (`SourceAlone`: the pair swapped; a translator that adapted the target's queries: the adapted target) answer in
+    (`SourceAlone`: the pair swapped; a translator that changes how the target reads: `KVTranslator.receiver`) answer in
     their own batches, batch by batch beside the others: a stopped run's partial results hold every row on the same
     examples."""
     passes = {}  # the methods that answer with one model (`Method.answerer`) answer in one batch

@@ -13,7 +13,7 @@ from flax import nnx
 
 from mot_jax.models.attention import Mask, attend
 from mot_jax.models.cache import KVCache
-from mot_jax.models.hooks import AttentionRead, Forward, LayerHook, LayerRecord, LayerRun
+from mot_jax.models.hooks import AttentionRead, Forward, LayerHook, LayerRecord, LayerRun, NewKeyValues
 from mot_jax.models.layers import GLOBAL_WINDOW, bf16_as_bits, bits_as_bf16
 
 # `CausalLM.remat`: what the backward pass keeps of each layer's forward (the rest it recomputes), by name; None keeps
@@ -92,9 +92,10 @@ class ModelConfig:
 class LayerCache:
     """One layer's view of the cache inside the layer scan: a block calls `attend` with its new q, k, v.
 
-    It writes the new k, v into the full cache at (layer, index), offers what the attention then reads to the hooks
-    (`hooks.AttentionRead`) and attends through the one entry, `attention.attend`; the updated cache arrays are read
-    back after the block has run (trace-time bookkeeping only)."""
+    It offers the new k, v to the hooks (`hooks.NewKeyValues`), writes what they return into the full cache at
+    (layer, index), offers what the attention then reads to the hooks (`hooks.AttentionRead`) and attends through the
+    one entry, `attention.attend`; the updated cache arrays are read back after the block has run (trace-time
+    bookkeeping only)."""
 
     def __init__(self, k_all, v_all, layer, cache: KVCache, q_pos, fresh, hooks=(), record=None, windows=()):
         self.k_all, self.v_all, self.layer, self.index = k_all, v_all, layer, cache.index
@@ -104,10 +105,15 @@ class LayerCache:
         self.fresh = fresh  # the cache was empty before these tokens (index 0, known when tracing)
         self.hooks, self.record = hooks, record if record is not None else LayerRecord()
         self.rope = None  # this layer's RoPE cos and sin at q_pos, when the model computed them for every layer
+        self.project = None  # x [B, T, D] -> the (k, v) this layer makes of it at q_pos (`NewKeyValues.project`)
         self.window_choices = tuple(sorted(set(windows)))  # the values this layer's traced window can take
 
     def attend(self, q, k, v, *, scale, window=GLOBAL_WINDOW, softcap=None):
         """q: [B, T, H, d], k/v: [B, T, K, d] for the new tokens; returns [B, T, H * d]."""
+        new = NewKeyValues(k, v, self.project)
+        for hook in self.hooks:
+            new = hook.key_values(new, self.layer, self.record)
+        k, v = new.k, new.v
         self.write(k, v)
         length = q.shape[1]
         if self.fresh:  # only the new tokens can be visible: attend over them alone
@@ -166,6 +172,9 @@ class CausalLM(nnx.Module):
 
     config: ModelConfig
     remat: str = "none"  # a REMAT_POLICIES name for the layer scan (backpropagating through a large model)
+    # a hook every forward of this model runs with (`run_layers`), before the caller's: how a variant of a model
+    # changes what its layers compute for new tokens (an `nnx.Module`, so that jitted functions carry its arrays)
+    forward_hook = None
 
     def init_cache(self, batch, capacity, dtype=None):
         cfg = self.config
@@ -196,7 +205,10 @@ class CausalLM(nnx.Module):
 
     def run_layers(self, forward: Forward, cache: KVCache | None = None, hooks: Sequence[LayerHook] = ()) -> LayerRun:
         """The layers over `forward`'s new tokens after `cache` (None: a new one holding exactly them), each layer
-        offered to `hooks` (`mot_jax.models.hooks`): the hidden states, the extended cache and the hooks' records."""
+        offered to `hooks` (`mot_jax.models.hooks`; the model's own `forward_hook` first): the hidden states, the
+        extended cache and the hooks' records."""
+        if self.forward_hook is not None:
+            hooks = (self.forward_hook, *hooks)
         batch, length = forward.shape
         mask = jnp.ones((batch, length), bool) if forward.mask is None else forward.mask.astype(bool)
         fresh = forward.fresh or cache is None
@@ -213,32 +225,38 @@ class CausalLM(nnx.Module):
 
         graphdef, stacked = nnx.split(self.layers)
         rope = self.rope_tables(positions)  # once, outside the layer loop
+        carried = {}  # what the hooks carry from layer to layer (`LayerHook.carry`)
+        for hook in hooks:
+            carried |= hook.carry(x)
 
         def body(carry, xs):
-            x, k_all, v_all = carry
+            x, k_all, v_all, carried = carry
             layer_params, layer = xs
-            record = LayerRecord()
+            record = LayerRecord(carried)
             for hook in hooks:
                 x = hook.layer_input(x, layer, record)
             view = LayerCache(k_all, v_all, layer, cache, positions, fresh, hooks, record, self.config.windows)
             if rope is not None:
                 layer_rope, cos, sin = rope
                 view.rope = (cos[layer_rope[layer]], sin[layer_rope[layer]])
-            x = nnx.merge(graphdef, bits_as_bf16(layer_params))(x, positions, layer, view)
-            return (x, view.k_all, view.v_all), record.values
+            block = nnx.merge(graphdef, bits_as_bf16(layer_params))
+            rope_kw = {} if view.rope is None else dict(rope=view.rope)  # families without RoPE take none
+            view.project = lambda x: block.key_value(x, positions, layer, **rope_kw)
+            x = block(x, positions, layer, view)
+            return (x, view.k_all, view.v_all, record.carried), record.values
 
         stop = self.config.num_layers if forward.stop is None else forward.stop
         if forward.weights is None:
             xs = jax.tree.map(lambda a: a[:stop], (bf16_as_bits(stacked), jnp.arange(self.config.num_layers)))
             if self.remat != "none":  # backward: recompute a layer from its input, keep what the policy saves
                 body = jax.checkpoint(body, policy=REMAT_POLICIES[self.remat], prevent_cse=False)
-            (x, k, v), records = jax.lax.scan(body, (x, cache.k, cache.v), xs)
+            (x, k, v, _), records = jax.lax.scan(body, (x, cache.k, cache.v, carried), xs)
         else:
-            carry, ys = (x, cache.k, cache.v), []
+            carry, ys = (x, cache.k, cache.v, carried), []
             for layer, params in enumerate(forward.weights[:stop]):
                 carry, y = body(carry, (params, jnp.int32(layer)))
                 ys.append(y)
-            (x, k, v), records = carry, jax.tree.map(lambda *a: jnp.stack(a), *ys)
+            (x, k, v, _), records = carry, jax.tree.map(lambda *a: jnp.stack(a), *ys)
         cache = cache.replace(k=k, v=v, index=cache.index + length)
         return LayerRun(x if forward.stop is not None else self.final_norm(x), cache, records)
 

@@ -1,15 +1,21 @@
 """What a forward over new tokens reads (`Forward`), what it returns (`LayerRun`), and the per-layer hooks through
 which callers change or observe it without the model knowing what for.
 
-`CausalLM.run_layers(forward, cache, hooks)` offers each layer, in the order the hooks are given:
+`CausalLM.run_layers(forward, cache, hooks)` offers each layer, in the order the hooks are given (after the model's
+own `CausalLM.forward_hook`, where it has one):
 - `layer_input(x, layer, record)`: the layer's input residual stream [B, T, D]; return the stream the layer runs on;
+- `key_values(new, layer, record)`: the K/V the layer is about to write into the cache for the new tokens
+  (`NewKeyValues`, with the layer's own way of making K/V from a residual stream); return what it should write
+  instead (its attention then reads what was written);
 - `attention(read, layer, record)`: what the layer's attention reads (`AttentionRead`: its queries, the keys and
   values after the layer wrote its own, their `Mask`); return what it should read instead.
 `layer` is the layer's index (traced inside the layer scan: index per-layer arrays with it). A hook notes values in
 `record` (`LayerRecord`); each name comes back stacked over the layers that ran in `LayerRun.records[name]`.
-Hooks are called while tracing: they add operations to the program and hold no state between calls. The
-translator's hooks (injected K/V, sparse keys, replaced layer inputs, the source's top-k keys) live in
-`mot_jax.translate.hooks`; the attention loss's and KVComm's probes beside their users.
+Hooks are called while tracing: they add operations to the program and hold no Python state between calls. What a
+hook hands from one layer to the later ones it keeps in `record.carried` (names and starting values from
+`LayerHook.carry`), which the layer loop carries along. The translator's hooks (injected K/V, sparse keys, replaced
+layer inputs, the source's top-k keys, K/V mapped from one layer's state) live in `mot_jax.translate.hooks`; the
+attention loss's and KVComm's probes beside their users.
 """
 
 from __future__ import annotations
@@ -83,11 +89,27 @@ class AttentionRead:
         return dataclasses.replace(self, **changes)
 
 
-class LayerRecord:
-    """What the hooks note about one layer, by name."""
+@dataclasses.dataclass(frozen=True)
+class NewKeyValues:
+    """What one layer writes into the cache for the new tokens: k, v [B, T, K, d] (keys as cached: normed, rotated),
+    and `project(x)`: the (k, v) this layer makes of a residual stream x [B, T, D] at the new tokens' positions (its
+    own norm, K/V projections, k-norm and RoPE, as for its input)."""
 
-    def __init__(self):
+    k: jax.Array
+    v: jax.Array
+    project: Callable
+
+    def replace(self, **changes) -> NewKeyValues:
+        return dataclasses.replace(self, **changes)
+
+
+class LayerRecord:
+    """What the hooks note about one layer, by name (`values`), and what they carry from layer to layer (`carried`:
+    as the layer before left it; what a hook sets here the next layer's hooks read)."""
+
+    def __init__(self, carried=None):
         self.values: dict[str, Any] = {}
+        self.carried: dict[str, Any] = dict(carried or {})
 
     def put(self, name: str, value) -> None:
         self.values[name] = value
@@ -102,8 +124,16 @@ class LayerHook:
     """A hook that changes nothing: subclasses override what they need (module docstring). A hook with arrays is a
     `flax.struct.dataclass` (its arrays leaves, its settings static fields), so jitted functions take it."""
 
+    def carry(self, x) -> dict:
+        """What this hook carries from layer to layer (`LayerRecord.carried`), by name, as it starts before the first
+        layer (x: that layer's input [B, T, D]); each value keeps its shape and dtype through the layers."""
+        return {}
+
     def layer_input(self, x, layer, record: LayerRecord):
         return x
+
+    def key_values(self, new: NewKeyValues, layer, record: LayerRecord) -> NewKeyValues:
+        return new
 
     def attention(self, read: AttentionRead, layer, record: LayerRecord) -> AttentionRead:
         return read

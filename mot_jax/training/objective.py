@@ -14,8 +14,10 @@ Ours, off by default (`loss.distill_weight`): + mu * KL(native || translated), t
 over the prompt after its native cache against after the translated one (SwiftKV's distillation objective), at the
 labelled positions, softened by `loss.distill_temperature` T and scaled by T^2. CE rewards the labels alone; the KL
 asks for the whole distribution the native context gives. `loss.hidden_weight`: + the relative squared error of the
-final-normed hidden states there (SwiftKV's hidden-state MSE). With `translator.receiver_rank` the translated side
-reads through the target's adapted queries (`translate/receiver.py`); the native side is the target itself.
+final-normed hidden states there (SwiftKV's hidden-state MSE). The translated side reads as `KVTranslator.receiver`
+makes the target: with `translator.receiver_rank` through its adapted queries (`translate/receiver.py`), with the
+self-prediction kind's `new_tokens_from_map` making the prompt's upper K/V from each token's layer-B state; the
+native side is the target itself.
 
 Ours, off by default (`loss.attention_weight`): + nu * the attention-output error, averaged over the layers
 the translator writes (those of the MSEs):

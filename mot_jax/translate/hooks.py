@@ -6,15 +6,18 @@
 - `ReplaceLayerInputs`: MoT-h: a window layer's input residual stream is replaced by its translation and the layer
   runs on it as usual.
 - `TopKeys`: the source's side of sparse replay: each layer's most-attended keys per query (head-averaged weights).
+- `MappedKeyValues`: SwiftKV's single input for the tokens read after a self-prediction cache: the upper layers'
+  K/V of each new token from its own state below them.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from flax import struct
+from flax import nnx, struct
 
 from mot_jax.models.hooks import LayerHook
+from mot_jax.translate.window import rms_normalized
 
 
 def _at_layer(per_layer, layer):
@@ -90,3 +93,32 @@ class TopKeys(LayerHook):
             record.extend("topk", jax.lax.top_k(probs.mean(axis=(1, 2)), count)[1].astype(jnp.int32), axis=1)
 
         return read.replace(on_weights=(*read.on_weights, top))
+
+
+class MappedKeyValues(nnx.Module, LayerHook):
+    """SwiftKV's single input for new tokens: layers `first..L-1` write every new token's K/V from that token's own
+    residual stream before layer `first`, RMS-normalised as the translator reads it (`window.rms_normalized`): layer
+    l's key and value inputs are `key_map`'s and `value_map`'s maps for it (`LinearSkip`s over the written layers, of
+    that state alone), which the layer's own norm, K/V projections, k-norm and RoPE at the token's position make its
+    K/V; its attention then reads them. An `nnx.Module` sharing the translator's maps, so that a model carries it
+    (`CausalLM.forward_hook`) into jitted functions and gradients reach the maps."""
+
+    CARRIED = "mapped_from"  # the state of the layer `first`, carried up the layers
+
+    def __init__(self, key_map, value_map, first: int):
+        self.key_map, self.value_map, self.first = key_map, value_map, first
+
+    def carry(self, x):
+        return {self.CARRIED: jnp.zeros(x.shape, jnp.float32)}
+
+    def layer_input(self, x, layer, record):
+        held = record.carried[self.CARRIED]
+        record.carried[self.CARRIED] = jnp.where(layer == self.first, rms_normalized(x), held)
+        return x
+
+    def key_values(self, new, layer, record):
+        slot, state = jnp.maximum(layer - self.first, 0), record.carried[self.CARRIED]
+        k = new.project(self.key_map.layer(state, slot))[0].astype(new.k.dtype)
+        v = new.project(self.value_map.layer(state, slot))[1].astype(new.v.dtype)
+        mapped = layer >= self.first
+        return new.replace(k=jnp.where(mapped, k, new.k), v=jnp.where(mapped, v, new.v))

@@ -138,8 +138,10 @@ class CacheTranslator:
     cache, ids, mask = ct.from_text(["passage one ...", "passage two ..."], capacity=T + suffix)
     logits, cache = ct.reader(suffix_ids, suffix_mask, cache=cache)
 
-    `reader` is the target as it reads after the translated cache: the target itself, or for a translator trained
-    with `receiver_rank` the target with its adapted query projections (`mot_jax.translate.receiver`).
+    `reader` is the target as it reads after the translated cache (`KVTranslator.receiver`): the target itself, or for
+    a translator trained with `receiver_rank` the target with its adapted query projections
+    (`mot_jax.translate.receiver`), and for a self-prediction translator with `new_tokens_from_map` the target making
+    every new token's upper K/V from its own layer-B state (`mot_jax.translate.hooks.MappedKeyValues`).
 
     `recompute`: the share of context tokens whose K/V the target recomputes above a dial translator's exact bottom
     (`mot_jax.translate.recompute`; 0: none).

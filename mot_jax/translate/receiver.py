@@ -5,8 +5,10 @@ translator also holds a low-rank change to the target's query projection in each
 W_q + down @ up (`down` [D, r] random, `up` [r, H * d] zero, so training starts at the target itself), and wherever
 the target reads after a translated cache (the training loss's prompt, an evaluation's question and answer, the
 pipeline) it reads through `adapted(target)`: the same model with those query projections changed. The layers below
-the written ones, and the K/V the target computes for new tokens, stay its own. SwiftKV trains full copies of those
-query projections and also makes the new tokens' upper K/V from its single input state; neither is done here.
+the written ones stay its own, and so do the K/V it computes for new tokens unless the translator's kind says
+otherwise (`adapted`'s `hook`: with the self-prediction kind's `new_tokens_from_map`, SwiftKV's single input for new
+tokens too, `translate/hooks.py:MappedKeyValues`). SwiftKV trains full copies of those query projections; that is
+not done here.
 
 Only families whose layers have a separate query projection (`self_attn.q_proj`: Qwen2/3, Llama, Gemma-3) can be
 adapted (`check`).
@@ -56,17 +58,23 @@ class ReceiverQueries(nnx.Module):
         return einsum("wdr,wrq->wdq", self.down[...], self.up[...])
 
 
-def adapted(target, adapter: ReceiverQueries | None):
-    """`target` with `adapter`'s changes added to its query projections (a new module sharing every other weight);
-    the target itself when there is no adapter. Jittable: gradients reach the adapter through it."""
-    if adapter is None:
+def adapted(target, adapter: ReceiverQueries | None, hook=None):
+    """`target` with `adapter`'s changes added to its query projections and, with `hook`, running every forward with
+    it (`CausalLM.forward_hook`): a new module sharing every other weight, the target itself left as it was; the
+    target itself when there is neither. Jittable: gradients reach the adapter and the hook's arrays through it."""
+    if adapter is None and hook is None:
         return target
     graphdef, state = nnx.split(target)
-    picked = np.asarray(adapter.layers)
+    if adapter is not None:
+        picked = np.asarray(adapter.layers)
 
-    def change(path, value):
-        if tuple(getattr(p, "key", getattr(p, "name", p)) for p in path)[:4] != QUERY_KERNEL:
-            return value
-        return value.at[picked].add(adapter.delta().astype(value.dtype))
+        def change(path, value):
+            if tuple(getattr(p, "key", getattr(p, "name", p)) for p in path)[:4] != QUERY_KERNEL:
+                return value
+            return value.at[picked].add(adapter.delta().astype(value.dtype))
 
-    return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(change, state))
+        state = jax.tree_util.tree_map_with_path(change, state)
+    reader = nnx.merge(graphdef, state)
+    if hook is not None:
+        reader.forward_hook = hook
+    return reader

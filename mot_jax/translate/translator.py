@@ -82,6 +82,18 @@ class LinearSkip(nnx.Module):
             y = y + einsum("btf,wfo->btwo", shared, kernel[:, x.shape[-1] :])
         return y
 
+    def layer(self, shared, slot):
+        """Window layer `slot`'s map (traced: e.g. inside the layer scan) of the shared inputs alone, [B, T, F] ->
+        [B, T, dt], for a translator that reads no inputs of each layer's own (`shared` is all it reads)."""
+        kernel = jax.lax.dynamic_index_in_dim(self.kernel[...], slot, keepdims=False)
+        if kernel.shape[0] != shared.shape[-1]:
+            raise MotJaxError(
+                f"This linear skip reads {kernel.shape[0]} inputs per layer, not the {shared.shape[-1]} shared ones "
+                "alone; map the layers together with its call instead."
+            )
+        bias = jax.lax.dynamic_index_in_dim(self.bias[...], slot, keepdims=False)
+        return einsum("btf,fo->bto", shared, kernel) + bias
+
 
 class KVTranslator(nnx.Module):
     """The modules its kind builds (`Kind.build`: for the window path, a K and a V module, `key` and `value`, each
@@ -111,8 +123,20 @@ class KVTranslator(nnx.Module):
 
     def receiver(self, target: CausalLM) -> CausalLM:
         """The target as it reads after this translator's cache: itself, or with `cfg.receiver_rank`, adapted
-        (`receiver.adapted`)."""
-        return receiver.adapted(target, getattr(self, "receiver_queries", None))
+        (`receiver.adapted`), and where the kind changes how new tokens' K/V are made (`Kind.reader_hook`: the
+        self-prediction kind's `new_tokens_from_map`), running every forward with that hook."""
+        return receiver.adapted(target, getattr(self, "receiver_queries", None), self.reader_hook())
+
+    def reader_hook(self):
+        """The hook the target runs every forward after this translator's cache with (`Kind.reader_hook`; None:
+        none, or nothing translated)."""
+        make = kinds.get(self.cfg.kind).reader_hook
+        return make(self) if make and self.spec.target_layers else None
+
+    @property
+    def changes_reader(self) -> bool:
+        """Whether the target reads after this translator's cache as a model of its own (`receiver`), not itself."""
+        return bool(self.cfg.receiver_rank) or self.reader_hook() is not None
 
     def __call__(self, k, v, mask, shared=None):
         """Aligned source window vectors k, v [B, T, W, ds] and the inputs all window layers share [B, T, F] (or None)

@@ -103,6 +103,10 @@ class Kind:
     # where computed (the CE, the KL, or `teacher=True`), else None
     extra_loss: Callable | None = None
     teacher: bool = False  # its extra loss reads the prompt's logits after the translated and the native caches
+    # how the target computes new tokens after this kind's cache, where that is not as itself: `reader_hook(translator)`
+    # -> a hook (`mot_jax.models.hooks`, an nnx module) every forward of the reading target runs with, or None
+    # (`KVTranslator.receiver`: in the training prompt, the evaluation's question and answer, the pipeline's reader)
+    reader_hook: Callable | None = None
     no_export: str = ""  # why the PyTorch export does not serve it ("": it does, through `torch`)
     # its PyTorch side (`torch_translator.py`): {attribute: module class name} as `build` names its modules, and the
     # method that serves it (`translate_window`, `fuse_window`, `translate_streams`, `embed_latents`)
