@@ -54,7 +54,9 @@ class Trainer:
         # with `mesh.fsdp` or `mesh.translator_fsdp`, it and its AdamW state split over `data` (or `tensor`)
         sharding.shard(translator, mesh, sharding.translator_rules(config))
         self.graphdef, params = nnx.split(translator, nnx.Param)
-        self.llm_graphs, self.llm_states = zip(*(nnx.split(m) for m in (pair.source, pair.target)))
+        # a source that is the target is one argument of the steps: passed twice, XLA would plan its weights twice
+        models = (pair.source,) if pair.source is pair.target else (pair.source, pair.target)
+        self.llm_graphs, self.llm_states = zip(*(nnx.split(m) for m in models))
         self.tx, self.schedule = adamw(config.optim, total_steps)
         rng = jax.random.key_data(jax.random.key(config.seed))
         replicated = NamedSharding(mesh, PartitionSpec())
@@ -89,8 +91,8 @@ class Trainer:
     def _models(self, params, llm_states):
         params = jax.tree.map(lambda p: p.astype(self.compute_dtype), params)
         translator = nnx.merge(self.graphdef, params)
-        source, target = (nnx.merge(g, s) for g, s in zip(self.llm_graphs, llm_states))
-        return translator, source, target
+        models = [nnx.merge(g, s) for g, s in zip(self.llm_graphs, llm_states)]
+        return translator, models[0], models[-1]
 
     def _loss(self, params, llm_states, batch, noise=None, prompt=False):
         _, source, target = self._models(params, llm_states)
