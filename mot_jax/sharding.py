@@ -61,12 +61,13 @@ def make_mesh(data: int = -1, expert: int = 1, devices=None, tensor: int = 1) ->
 
 
 def spec(names, rules=RULES, shape=None, mesh=None) -> PartitionSpec:
-    """PartitionSpec of a tuple of logical names; with a `mesh`, an axis it lacks, or whose size its mesh axis does
-    not divide, stays whole."""
+    """PartitionSpec of a tuple of logical names; with a `mesh`, an axis it lacks, or of size 1 (it splits nothing:
+    a mesh without `tensor` and one with `tensor=1` give the same specs), or whose size its mesh axis does not divide,
+    stays whole."""
     axes = []
     for i, name in enumerate(names or ()):
         axis = rules.get(name)
-        if axis is not None and mesh is not None and axis not in mesh.shape:
+        if axis is not None and mesh is not None and mesh.shape.get(axis, 1) == 1:
             axis = None
         if axis is not None and shape is not None and mesh is not None and shape[i] % mesh.shape[axis]:
             axis = None

@@ -151,11 +151,11 @@ def test_the_rules_put_the_llms_heads_and_mlp_on_tensor_and_the_translator_where
     config.mesh.fsdp = True
     assert spec(("layers", "embed", "heads"), sharding.llm_rules(config)) == (None, "data", "tensor")
     translator = lambda: spec(("expert", "embed", "mlp"), sharding.translator_rules(config))
-    assert translator() == ("expert", "data", None)
+    assert translator() == (None, "data", None)  # an expert axis of 1 splits nothing
     config.mesh.fsdp, config.mesh.translator_fsdp = False, "tensor"
-    assert translator() == ("expert", "tensor", None)
+    assert translator() == (None, "tensor", None)
     config.mesh.translator_fsdp = ""
-    assert translator() == ("expert", None, None)
+    assert translator() == (None, None, None)
     config.mesh.translator_fsdp = "model"
     with pytest.raises(sharding.MotJaxError, match="not a mesh axis"):
         sharding.translator_rules(config)
