@@ -473,12 +473,19 @@ def run(config, topology_name: str, program: str = "prefill", tokens: int | None
 
 def title(config, program: str, tokens: int | None, rows: int | None) -> str:
     """What the report says was compiled (`tokens` and `rows`: the prefill's or decode's, as compiled)."""
+    from mot_jax import sharding
+
     if program == "train":
-        layout = "FSDP-split over `data`" if config.mesh.fsdp else "replicated over `data`"
+        over = lambda split: "FSDP-split over `data`" if split else "replicated over `data`"
+        tensor = config.mesh.get("tensor", 1)
+        heads = f", heads and MLP over `tensor` ({tensor})" if tensor > 1 else ""
+        axis = sharding.translator_rules(config).get("embed")
+        translator = f"FSDP-split over `{axis}`" if axis else "replicated"
         return (
             f"The training step of {config.source} -> {config.target} ({config.batch_size} x {config.grad_accum} "
             f"sequences of {config.data.total_tokens} tokens, {config.dtype}, remat {config.remat!r}; the frozen "
-            f"models, the translator and its AdamW state {layout}, the experts over `expert`)"
+            f"models {over(config.mesh.fsdp)}{heads}; the translator and its AdamW state {translator}, the "
+            "experts over `expert`)"
         )
     if program == "prefill":
         return f"{config.target}'s prefill ({rows} rows x {tokens} tokens, {config.dtype})"

@@ -53,7 +53,7 @@ def computations(hlo: str) -> tuple[dict, str | None]:
             current = header.group(2)
             found[current] = []
             entry = current if header.group(1) else entry
-        elif line.startswith("}"):
+        elif line.rstrip() == "}":  # not `}}, metadata=...`: a Pallas kernel's config continues over lines
             current = None
         elif current is not None:
             found[current].append(line)
@@ -62,9 +62,9 @@ def computations(hlo: str) -> tuple[dict, str | None]:
 
 def executions(hlo: str) -> dict:
     """{computation: times it runs in one execution of the program}: the entry once; a while loop's body and
-    condition its trip count (the constant its condition compares the counter with; once where there is none)
-    times its caller's; any other called computation (fusions, calls, a conditional's every branch) its
-    caller's. Computations are printed callees first, so callers are walked from the entry down."""
+    condition its trip count (`_trip_count`; once where it cannot be read) times its caller's; any other called
+    computation (fusions, calls, a conditional's every branch) its caller's. Computations are printed callees
+    first, so callers are walked from the entry down."""
     bodies, entry = computations(hlo)
     times = dict.fromkeys(bodies, 0)
     if entry is None:
@@ -73,7 +73,11 @@ def executions(hlo: str) -> dict:
     for caller in reversed(list(bodies)):
         for line in bodies[caller]:
             called = dict(_CALLED.findall(line))
-            trips = _trip_count(bodies.get(called.get("condition", "").lstrip("%"), [])) if "body" in called else 1
+            if "body" in called:
+                loop = (bodies.get(called[key].lstrip("%"), []) for key in ("condition", "body"))
+                trips = _trip_count(*loop)
+            else:
+                trips = 1
             for key, names in called.items():
                 for name in re.findall(r"[\w.\-]+", names):
                     if name in times:
@@ -81,15 +85,42 @@ def executions(hlo: str) -> dict:
     return times
 
 
-def _trip_count(condition: list[str]) -> int:
-    """The trip count of a while loop of a counter from 0 by 1 whose condition is `counter < constant`; 1 if not so."""
-    constants = dict(re.findall(r"%([\w.\-]+) = s32\[\]\S* constant\((\d+)\)", "\n".join(condition)))
+_INTEGER = r"[su](?:8|16|32|64)\[\]"  # XLA's own loops (the windowed einsum's) count in u32
+
+
+def _trip_count(condition: list[str], body: list[str] = ()) -> int:
+    """The trip count of a while loop whose condition is `counter < constant` and whose body adds a constant step
+    to the counter (1 where it adds none it can read), the counter from 0: ceil(bound / step); 1 if not so. XLA's
+    windowed einsum (an all-gather turned into collective-permutes) unrolls its loop by two: a step of 2."""
+    constants = dict(re.findall(rf"%([\w.\-]+) = {_INTEGER}\S* constant\((\d+)\)", "\n".join(condition)))
+    tuple_index = dict(re.findall(r"%([\w.\-]+) = \S+ get-tuple-element\(.*index=(\d+)", "\n".join(condition)))
     for line in condition:
         if "ROOT" in line and "compare(" in line and "direction=LT" in line:
-            operands = re.findall(r"%([\w.\-]+)", line.split("compare(", 1)[1])
+            operands = re.findall(r"%([\w.\-]+)", line.split("compare(", 1)[1].split(")", 1)[0])
             bound = [int(constants[o]) for o in operands if o in constants]
-            return bound[-1] if bound else 1
+            if not bound:
+                return 1
+            counter = next((int(tuple_index[o]) for o in operands if o in tuple_index), None)
+            return -(-bound[-1] // _step(body, counter))
     return 1
+
+
+def _step(body: list[str], counter: int | None) -> int:
+    """What a loop body adds to the counter at tuple index `counter`: the constant of the `add` its root tuple
+    holds there; 1 where that is not what the body does."""
+    text = "\n".join(body)
+    root = next((line for line in body if "ROOT" in line and " tuple(" in line), None)
+    if counter is None or root is None:
+        return 1
+    items = re.findall(r"%([\w.\-]+)", root.split(" tuple(", 1)[1])
+    if counter >= len(items):
+        return 1
+    add = re.search(rf"%{re.escape(items[counter])} = {_INTEGER}\S* add\(%([\w.\-]+), %([\w.\-]+)\)", text)
+    if add is None:
+        return 1
+    constants = dict(re.findall(rf"%([\w.\-]+) = {_INTEGER}\S* constant\((\d+)\)", text))
+    steps = [int(constants[o]) for o in add.groups() if o in constants]
+    return steps[0] if len(steps) == 1 and steps[0] > 0 else 1
 
 
 def _closing(text: str) -> int:

@@ -92,6 +92,80 @@ def test_a_step_runs_each_loop_body_as_often_as_its_trip_count():
     assert hlo.ici_traffic(LOOP) == 4 * 32 * 64 * 2 + 2 * 64  # a ring all-reduce moves its bytes twice
 
 
+# a layer loop of 28 trips whose body runs XLA's windowed einsum as XLA prints it for an all-gather it turned into
+# collective-permutes: a u32 counter up to 8 in steps of 2 (the loop unrolled by two), 4 trips, two permutes a trip,
+# each moving a bf16[1,224,3584] block
+WINDOWED = """
+HloModule jit_step
+
+%windowed_cond (p: (bf16[1,224,3584], u32[])) -> pred[] {
+  %constant.971 = u32[]{:T(128)} constant(8)
+  %p = (bf16[1,224,3584]{2,1,0}, u32[]{:T(128)}) parameter(0)
+  %get-tuple-element.492 = u32[]{:T(128)} get-tuple-element(%p), index=1
+  ROOT %compare.25 = pred[]{:T(512)} compare(%get-tuple-element.492, %constant.971), direction=LT
+}
+
+%windowed_body (p: (bf16[1,224,3584], u32[])) -> (bf16[1,224,3584], u32[]) {
+  %p = (bf16[1,224,3584]{2,1,0}, u32[]{:T(128)}) parameter(0)
+  %x = bf16[1,224,3584]{2,1,0} get-tuple-element(%p), index=0
+  %counter = u32[]{:T(128)} get-tuple-element(%p), index=1
+  %two = u32[]{:T(128)} constant(2)
+  %next = u32[]{:T(128)S(6)} add(%counter, %two), metadata={op_name="dot_general"}
+  %collective-permute-start = (bf16[1,224,3584], bf16[1,224,3584]{2,1,0}, u32[]) collective-permute-start(%x)
+  %collective-permute-done = bf16[1,224,3584]{2,1,0} collective-permute-done(%collective-permute-start)
+  %collective-permute.1 = bf16[1,224,3584]{2,1,0} collective-permute(%x), source_target_pairs={{0,1},{1,0}}
+  ROOT %t = (bf16[1,224,3584]{2,1,0}, u32[]{:T(128)}) tuple(%collective-permute-done, %next)
+}
+
+%layer_cond (p: (s32[], bf16[1,224,3584])) -> pred[] {
+  %p = (s32[], bf16[1,224,3584]) parameter(0)
+  %layers = s32[]{:T(128)} constant(28)
+  %i = s32[] get-tuple-element(%p), index=0
+  ROOT %lt = pred[] compare(%i, %layers), direction=LT
+}
+
+%layer_body (p: (s32[], bf16[1,224,3584])) -> (s32[], bf16[1,224,3584]) {
+  %p = (s32[], bf16[1,224,3584]) parameter(0)
+  %w = (bf16[1,224,3584], u32[]) while(%init), condition=%windowed_cond, body=%windowed_body
+  ROOT %t = (s32[], bf16[1,224,3584]) tuple(%i, %w)
+}
+
+ENTRY %main (a: f32[4,4]) -> f32[4,4] {
+  %a = f32[4,4]{1,0} parameter(0)
+  %loop = (s32[], bf16[1,224,3584]) while(%init), condition=%layer_cond, body=%layer_body
+  ROOT %r = f32[4,4]{1,0} add(%a, %a)
+}
+"""
+
+
+def test_xlas_own_loops_in_u32_and_steps_of_two_run_their_trip_count():
+    """The windowed einsum's loop runs 4 times a layer: 28 x 4 x 2 permutes of 224 x 3,584 bf16 (1.53 MiB) a step
+    (343 MiB), not once a layer (86 MiB: its u32 bound unread) nor 8 times (686 MiB: its step of 2 unread)."""
+    assert hlo.executions(WINDOWED)["windowed_body"] == 28 * 4
+    block = 224 * 3584 * 2
+    assert hlo.collectives(WINDOWED) == {"collective-permute": (2, 2 * block)}
+    assert hlo.collectives(WINDOWED, per_step=True) == {"collective-permute": (28 * 4 * 2, 28 * 4 * 2 * block)}
+
+
+# a Pallas kernel's custom call (splash attention) whose backend config runs over several lines, one of them starting
+# with `}}`, and an all-gather after it in the same computation
+KERNEL = r"""
+HloModule jit_step
+
+ENTRY %main (a: bf16[8,64]) -> bf16[32,64] {
+  %a = bf16[8,64]{1,0} parameter(0)
+  %splash = bf16[8,64]{1,0} custom-call(%a), custom_call_target="tpu_custom_call", backend_config={"custom_call_config":
+"xprof_metadata":"{\"block_q\": 512, \
+}}, metadata={op_name="splash"}
+  ROOT %all-gather = bf16[32,64]{1,0} all-gather(bf16[8,64]{1,0} %splash), dimensions={0}
+}
+"""
+
+
+def test_a_kernels_config_over_several_lines_does_not_end_its_computation():
+    assert hlo.collectives(KERNEL, per_step=True) == {"all-gather": (1, 32 * 64 * 2)}
+
+
 def test_estimate_is_the_slowest_of_compute_weights_and_collectives():
     chip = aot.Chip("test", aot.GiB, peak_flops=1e12, hbm_bandwidth=1e9, ici_bandwidth=16512.0)  # LOOP's traffic/s
     step = lambda flops, weight_bytes: aot.Compiled("train", 0, 0, 0, 0, 0, flops, weight_bytes, LOOP, [])

@@ -126,9 +126,9 @@ def test_the_entry_picks_splash_on_a_tpu_for_a_causal_prefill_and_cudnn_on_a_gpu
     assert attention.implementation(q, k, v, mask, needs_weights=True) == "xla"
 
 
-def test_under_a_mesh_the_entry_splits_splash_over_the_rows_where_they_divide(monkeypatch):
-    """`mesh_split`: the rows over the axis the `batch` rule names, KV heads over a `kv_heads` rule's axis (none in
-    the rules yet), each only where it divides; nothing without a mesh of several devices or off its axes."""
+def test_under_a_mesh_the_entry_splits_splash_over_the_rows_where_they_divide():
+    """`mesh_split`: the rows over the axis the `batch` rule names, KV heads over the `kv_heads` rule's (`tensor`),
+    each only where it divides; nothing without a mesh of several devices or off its axes."""
     mesh = Mesh(np.reshape(jax.devices()[:8], (4, 2)), ("data", "expert"))
     q, k = jnp.zeros((8, 4, 4, 16)), jnp.zeros((8, 2, 4, 16))
     assert attention.mesh_split(q, k) == {}  # no mesh set
@@ -137,8 +137,8 @@ def test_under_a_mesh_the_entry_splits_splash_over_the_rows_where_they_divide(mo
         split = attention.mesh_split(q, k)
         assert (split["batch_axes"], split["head_axes"], dict(split["mesh"].shape)) == ("data", None, mesh.shape)
         assert attention.mesh_split(q[:2], k[:2])["batch_axes"] is None  # 2 rows do not split 4 ways
-        monkeypatch.setitem(sharding.RULES, "kv_heads", "expert")
-        assert attention.mesh_split(q, k)["head_axes"] == "expert"
+    with jax.set_mesh(sharding.make_mesh(data=4, expert=1, tensor=2)):
+        assert attention.mesh_split(q, k)["head_axes"] == "tensor"
         assert attention.mesh_split(q, k[:, :1])["head_axes"] is None
     with jax.set_mesh(Mesh(np.reshape(jax.devices()[:1], (1, 1)), ("data", "expert"))):
         assert attention.mesh_split(q, k) == {}

@@ -132,3 +132,30 @@ def test_a_source_that_is_the_target_is_loaded_once(monkeypatch):
     assert "data" in pair.target.embed_tokens.embedding[...].sharding.spec  # on the mesh by the config's FSDP rules
     other = model_pair.load_pair(ml_collections.ConfigDict(dict(config.to_dict(), target="random:llama")))
     assert other.source is not other.target and loads[1:] == ["random:qwen2", "random:llama"]
+
+
+def test_the_rules_put_the_llms_heads_and_mlp_on_tensor_and_the_translator_where_the_config_says():
+    """A (data 2, expert 1, tensor 4) mesh: q/k/v/gate/up split by their output columns, o/down by their input rows,
+    the vocabulary over `tensor`; the translator's own `heads` / `mlp` never on `tensor`, its `embed` over the axis
+    `mesh.translator_fsdp` names (`data` with `mesh.fsdp`), none otherwise; a name that is no axis refused."""
+    mesh = sharding.make_mesh(data=2, expert=1, tensor=4)
+    assert dict(mesh.shape) == {"data": 2, "expert": 1, "tensor": 4}
+    config = ml_collections.ConfigDict(dict(mesh=dict(fsdp=False, translator_fsdp="")))
+    rules = sharding.llm_rules(config)
+    spec = lambda names, rules: tuple(sharding.spec(names, rules, (28, 512, 512), mesh))
+    assert spec(("layers", "embed", "heads"), rules) == (None, None, "tensor")
+    assert spec(("layers", "embed", "kv"), rules) == (None, None, "tensor")
+    assert spec(("layers", "mlp", "embed"), rules) == (None, "tensor", None)
+    assert tuple(sharding.spec(("vocab", "embed"), rules, (512, 64), mesh)) == ("tensor", None)
+    assert tuple(sharding.spec(("vocab", "embed"), rules, (510, 64), mesh)) == (None, None)  # 510 does not split
+    config.mesh.fsdp = True
+    assert spec(("layers", "embed", "heads"), sharding.llm_rules(config)) == (None, "data", "tensor")
+    translator = lambda: spec(("expert", "embed", "mlp"), sharding.translator_rules(config))
+    assert translator() == (None, "data", None)  # an expert axis of 1 splits nothing
+    config.mesh.fsdp, config.mesh.translator_fsdp = False, "tensor"
+    assert translator() == (None, "tensor", None)
+    config.mesh.translator_fsdp = ""
+    assert translator() == (None, None, None)
+    config.mesh.translator_fsdp = "model"
+    with pytest.raises(sharding.MotJaxError, match="not a mesh axis"):
+        sharding.translator_rules(config)

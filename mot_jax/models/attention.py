@@ -84,12 +84,12 @@ def context_mesh():
 
 def mesh_split(q, k) -> dict:
     """How `tpu_attention` splits its operands over the context mesh: the rows over the mesh axes the `batch` rule
-    names, the KV heads over those a `kv_heads` rule names (none yet), each where it divides (`sharding.spec`);
+    names, the KV heads over those the `kv_heads` rule names (`tensor`), each where it divides (`sharding.spec`);
     {} without a mesh of several devices."""
     mesh = context_mesh()
     if mesh is None or mesh.size == 1:
         return {}
-    batch, heads = sharding.spec(("batch", "kv_heads"), sharding.RULES, (q.shape[0], k.shape[1]), mesh)
+    batch, heads = sharding.spec(("batch", "kv_heads"), sharding.MODEL_RULES, (q.shape[0], k.shape[1]), mesh)
     return dict(mesh=mesh, batch_axes=batch, head_axes=heads)
 
 

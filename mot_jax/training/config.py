@@ -124,9 +124,12 @@ def base() -> ml_collections.ConfigDict:
     c.batch_size = 4  # sequences per micro-batch (global, over all devices)
     c.grad_accum = 4  # micro-batches per optimizer step
     c.mesh = ml_collections.ConfigDict()
-    c.mesh.data = -1  # -1: all devices the expert axis leaves
+    c.mesh.data = -1  # -1: all devices the expert and tensor axes leave
     c.mesh.expert = 1
-    c.mesh.fsdp = False  # split the frozen LLMs' weights over `data` too
+    c.mesh.tensor = 1  # the frozen LLMs' attention heads and MLP split over this many devices (Megatron-style)
+    c.mesh.fsdp = False  # split the frozen LLMs' weights (and the translator's) over `data` too
+    c.mesh.translator_fsdp = ""  # the mesh axis (data, tensor) the translator and its AdamW state split over ("": data
+    # with `fsdp`, else none)
 
     c.log_every = 25
     c.eval_every = 100
@@ -167,7 +170,7 @@ def tiny(c: ml_collections.ConfigDict, source: str, target: str) -> ml_collectio
     c.translator.channels.ratio = c.translator.channels.min_ratio = c.translator.channels.max_ratio = 0.5
     c.translator.channels.search_steps, c.translator.channels.search_eval_batches = 2, 1
     c.steps, c.batch_size, c.grad_accum = 4, 2, 2
-    c.mesh.data, c.mesh.expert, c.mesh.fsdp = 1, 1, False  # one device: tiny batches do not split
+    c.mesh.data, c.mesh.expert, c.mesh.tensor, c.mesh.fsdp = 1, 1, 1, False  # one device: tiny batches do not split
     c.optim.warmup_steps = 1
     c.log_every, c.eval_every, c.checkpoint_every = 1, 2, 2
     c.eval_batches, c.final_eval_batches = 1, 2

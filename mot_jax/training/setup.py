@@ -88,17 +88,17 @@ def make_datasets(config, pair: ModelPair, rows: slice = slice(None)) -> Dataset
 
 
 def make_mesh(config, devices=None) -> jax.sharding.Mesh:
-    """The run's (data, expert) mesh over `devices` (default: this run's; a TPU topology's abstract devices to
-    compile for it, `mot_jax.aot`)."""
-    data_axis, expert_axis = config.mesh.data, config.mesh.expert
+    """The run's (data, expert, tensor) mesh over `devices` (default: this run's; a TPU topology's abstract devices
+    to compile for it, `mot_jax.aot`)."""
+    data_axis, expert_axis, tensor_axis = config.mesh.data, config.mesh.expert, config.mesh.get("tensor", 1)
     every = jax.devices() if devices is None else list(devices)
-    devices = every if data_axis == -1 else every[: data_axis * expert_axis]
+    devices = every if data_axis == -1 else every[: data_axis * expert_axis * tensor_axis]
     if jax.process_count() > 1 and len(devices) != len(every):
         raise MotJaxError(
             f"A run of {jax.process_count()} processes uses all {jax.device_count()} devices; set "
-            "--config.mesh.data=-1 (or data x expert to the device count)."
+            "--config.mesh.data=-1 (or data x expert x tensor to the device count)."
         )
-    mesh = sharding.make_mesh(data_axis, expert_axis, devices)
+    mesh = sharding.make_mesh(data_axis, expert_axis, devices, tensor_axis)
     if config.batch_size % mesh.shape["data"]:
         raise MotJaxError(
             f"batch_size={config.batch_size} is not divisible by the mesh's data axis ({mesh.shape['data']} devices); "
@@ -160,7 +160,7 @@ def check_identity(saved: dict, current: dict, workdir: epath.Path):
 
 # what a resumed run may change: how long it trains, how it reports and where it runs, not what a step computes
 RESUMABLE = {"steps", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "final_eval_batches"}
-RESUMABLE |= {"data.data_dir", "mesh.data", "mesh.expert", "mesh.fsdp"}
+RESUMABLE |= {"data.data_dir", "mesh.data", "mesh.expert", "mesh.tensor", "mesh.fsdp", "mesh.translator_fsdp"}
 
 
 def flat(tree: dict, prefix: str = "") -> dict:

@@ -1,9 +1,10 @@
 """The jitted training of one translator: `Trainer` (its train, eval and baseline steps over a mesh, and the state
 they update) and `fit`, which runs the steps over a batch stream.
 
-Frozen source and target LLMs (replicated, or FSDP-split over `data`), translator experts sharded over the
-`expert` mesh axis, batches over `data`; one jitted step does the frozen forwards, the Context Correction loss and
-its gradient for every micro-batch (a scan: gradient accumulation) and one AdamW update.
+Frozen source and target LLMs (replicated, or FSDP-split over `data`; heads and MLP over `tensor`), translator
+experts sharded over the `expert` mesh axis (the translator over `data` with FSDP), batches over `data`; one jitted
+step does the frozen forwards, the Context Correction loss and its gradient for every micro-batch (a scan: gradient
+accumulation) and one AdamW update. The steps are traced under the mesh (`jax.set_mesh`).
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ class Trainer:
         # a translator that runs no source (the source-free control, self-prediction) reads the source's config alone
         # (its depth, whether it rotates keys): the steps neither run nor take its weights, only its shapes
         self.runs_source = runs_source(spec)
-        frozen = (pair.source, pair.target) if self.runs_source else (pair.target,)
+        # a source that is the target is one argument of the steps: passed twice, XLA would plan its weights twice
+        frozen = (pair.source, pair.target) if self.runs_source and pair.source is not pair.target else (pair.target,)
         self.source_shapes = None if self.runs_source else shapes_of(pair.source)
         rules = sharding.llm_rules(config)
         for model in frozen:  # a no-op for weights loaded onto the mesh (`load_pair`)
@@ -56,7 +58,8 @@ class Trainer:
             model.remat = config.remat
         make = lambda: KVTranslator(spec, tcfg, rngs=nnx.Rngs(config.seed))
         translator = nnx.eval_shape(make) if abstract else make()
-        sharding.shard(translator, mesh, rules)  # with `mesh.fsdp`, it and its AdamW state split over `data` too
+        # with `mesh.fsdp` or `mesh.translator_fsdp`, it and its AdamW state split over `data` (or `tensor`)
+        sharding.shard(translator, mesh, sharding.translator_rules(config))
         self.graphdef, params = nnx.split(translator, nnx.Param)
         self.llm_graphs, self.llm_states = zip(*(nnx.split(m) for m in frozen))
         self.tx, self.schedule = adamw(config.optim, total_steps)
@@ -81,18 +84,20 @@ class Trainer:
             self.state = jax.tree.map(sds, self.state, state_sharding)
         else:
             self.state = jax.device_put(self.state, state_sharding)
-        self._train = jax.jit(self._train_step, donate_argnums=(0,), out_shardings=(state_sharding, None))
-        self._eval = jax.jit(self._eval_step)
-        self._baselines = jax.jit(self._baseline_step)
-        self._skip_sums = jax.jit(self._skip_sums_step)
+        # traced under the mesh (`on_mesh`): the attention entry then runs splash on each chip's rows and heads
+        self._train = on_mesh(
+            mesh, jax.jit(self._train_step, donate_argnums=(0,), out_shardings=(state_sharding, None))
+        )
+        self._eval = on_mesh(mesh, jax.jit(self._eval_step))
+        self._baselines = on_mesh(mesh, jax.jit(self._baseline_step))
+        self._skip_sums = on_mesh(mesh, jax.jit(self._skip_sums_step))
 
     # -- pure functions (traced) --
     def _models(self, params, llm_states):
         params = jax.tree.map(lambda p: p.astype(self.compute_dtype), params)
         translator = nnx.merge(self.graphdef, params)
         models = [nnx.merge(g, s) for g, s in zip(self.llm_graphs, llm_states)]
-        source, target = models if self.runs_source else (self.source_shapes, *models)
-        return translator, source, target
+        return translator, models[0] if self.runs_source else self.source_shapes, models[-1]
 
     def _loss(self, params, llm_states, batch, noise=None, prompt=False):
         _, source, target = self._models(params, llm_states)
@@ -252,6 +257,22 @@ def shapes_of(model):
     """`model` with its weights' shapes and dtypes in place of their arrays: its config and structure, no memory."""
     graphdef, state = nnx.split(model)
     return nnx.merge(graphdef, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state))
+
+
+class on_mesh:  # noqa: N801 (a function wrapper, named as one)
+    """A jitted function traced and called under `jax.set_mesh(mesh)`: the model's attention entry reads the mesh
+    (its platform, and the axes to run a kernel on each chip's shard by `shard_map`); `trace` likewise."""
+
+    def __init__(self, mesh, jitted):
+        self.mesh, self.jitted = mesh, jitted
+
+    def __call__(self, *args):
+        with jax.set_mesh(self.mesh):
+            return self.jitted(*args)
+
+    def trace(self, *args):
+        with jax.set_mesh(self.mesh):
+            return self.jitted.trace(*args)
 
 
 def abstract_batch(config, micro_batches: int | None = None):
