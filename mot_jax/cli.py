@@ -93,6 +93,19 @@ def config_flags_parser(config_flag, keys_listed_in: str):
     return parse
 
 
+def flags_parser(argv):
+    """absl's flag parsing for a command without a --config, with a missing or bad flag reported in one line (exit 2);
+    absl printed it as FATAL with a pointer to the help and exited 1."""
+    try:
+        return flags.FLAGS(argv)
+    except SystemExit:  # absl exits 1 after printing the help that --help asked for
+        if any(a.split("=")[0] in HELP for a in argv[1:]):
+            sys.exit(0)
+        raise
+    except flags.Error as e:
+        fail(str(e))
+
+
 def missing_config_file(config_flag) -> str | None:
     """The --config file's path when that file does not exist."""
     try:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from absl import app, flags, logging
 
-from mot_jax.cli import no_arguments
+from mot_jax.cli import fail, flags_parser, no_arguments
 from mot_jax.errors import MotJaxError
 
 FLAGS = flags.FLAGS
@@ -124,7 +124,7 @@ def main(argv):
     else:
         no_arguments(argv)
     if not FLAGS.model:
-        raise app.UsageError("--model is required (an embedded model name, a .gguf file, an id or a directory).")
+        fail("--model is required: an embedded model name, a .gguf file, a hub id or a directory (--help lists them).")
     try:
         status = convert(
             FLAGS.model,
@@ -143,4 +143,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=flags_parser)

@@ -157,6 +157,21 @@ def test_bad_input_on_the_command_line_is_one_line(tmp_path, flags, reason):
 
 
 @pytest.mark.parametrize(
+    "command,said",
+    [
+        (["mot_jax.export", "--workdir=w"], "flag --out=None: Flag --out must have a value other than None."),
+        (["mot_jax.convert"], "--model is required: an embedded model name, a .gguf file, a hub id or a directory"),
+    ],
+)
+def test_a_missing_flag_of_export_or_convert_is_one_line(tmp_path, command, said):
+    """absl printed a FATAL line and a pointer to the help (export), or the whole usage (convert), and exited 1."""
+    result = subprocess.run([sys.executable, "-m", *command], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"error: {said}"), lines
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
     "returned,arg,overrides,said",
     [
         ("5", ":tiny", ["--config.steps=3"], "get_config('tiny') of the config file {file} returned int 5, not an "),

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from absl import app, flags, logging
 
-from mot_jax.cli import no_arguments, run_or_exit
+from mot_jax.cli import flags_parser, no_arguments, run_or_exit
 from mot_jax.errors import MotJaxError, cause
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Training workdir holding a finished checkpoint.")
@@ -55,4 +55,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=flags_parser)
