@@ -230,20 +230,24 @@ COUNTS = {
     "translator.receiver_rank": 0,  # 0: the target stays frozen
     "optim.warmup_steps": 0,  # 0 (as 1): the full rate from the first update
 }
-# each loss term's weight (a negative one would train the translator to maximise that term) and the fit's ridge; the
-# KL's temperature is no weight: it must be above 0 (`check`)
-WEIGHTS = [f"loss.{k}" for k in base().loss if k != "distill_temperature"] + ["translator.skip_ridge"]
-# numbers with a range: key -> (the range in words, whether a value is in it). AdamW's (`optim.adamw`): a learning rate
-# of 0 keeps a linear skip's least-squares start as it is; a clip norm of 0 would scale every update to 0 (or NaN).
-# Shares of the batch's rows and of the layers; the experts' capacity (an infinite one overflowed the dispatch)
+# numbers with a range: key -> (the range in words, whether a value is in it). Each loss term's weight (a negative
+# one would train the translator to maximise that term) and the fit's ridge; the KL's temperature, no weight. AdamW's
+# (`optim.adamw`): a learning rate of 0 keeps a linear skip's least-squares start as it is; a clip norm of 0 would
+# scale every update to 0 (or NaN). Shares of the batch's rows and of the layers; the experts' capacity (an infinite
+# one overflowed the dispatch)
+AT_LEAST_0 = ("a finite number of at least 0", lambda v: 0 <= v < math.inf)
+ABOVE_0 = ("above 0 and finite", lambda v: 0 < v < math.inf)
 SHARE = ("a share from 0 to 1", lambda v: 0 <= v <= 1)
 LAYER_SHARE = ("a share of the layers above 0 and at most 1", lambda v: 0 < v <= 1)
+WEIGHTS = [f"loss.{k}" for k in base().loss if k != "distill_temperature"] + ["translator.skip_ridge"]
 RANGES = {
-    "optim.learning_rate": ("a finite number of at least 0", lambda v: 0 <= v < math.inf),
-    "optim.weight_decay": ("a finite number of at least 0", lambda v: 0 <= v < math.inf),
+    **dict.fromkeys(WEIGHTS, AT_LEAST_0),
+    "loss.distill_temperature": ABOVE_0,
+    "optim.learning_rate": AT_LEAST_0,
+    "optim.weight_decay": AT_LEAST_0,
     "optim.b1": ("at least 0 and below 1", lambda v: 0 <= v < 1),
     "optim.b2": ("at least 0 and below 1", lambda v: 0 <= v < 1),
-    "optim.eps": ("above 0 and finite", lambda v: 0 < v < math.inf),
+    "optim.eps": ABOVE_0,
     "optim.clip_norm": ("above 0 and finite (a large norm clips nothing)", lambda v: 0 < v < math.inf),
     "data.copy_fraction": SHARE,
     "data.question_fraction": SHARE,
@@ -251,7 +255,7 @@ RANGES = {
     "translator.channels.ratio": LAYER_SHARE,
     "translator.channels.min_ratio": LAYER_SHARE,
     "translator.channels.max_ratio": LAYER_SHARE,
-    "translator.capacity_factor": ("above 0 and finite", lambda v: 0 < v < math.inf),
+    "translator.capacity_factor": ABOVE_0,
 }
 
 
@@ -296,23 +300,12 @@ def check(c: ml_collections.ConfigDict):
             raise MotJaxError(
                 f"{key}={value!r} must be a whole number of at least {least}; pass --config.{key}=N with N >= {least}."
             )
-    for key in WEIGHTS:
-        value = lookup(c, key)
-        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
-            raise MotJaxError(
-                f"{key}={value!r} must be a finite number of at least 0; pass --config.{key}=W with W >= 0."
-            )
     for key, (needs, allowed) in RANGES.items():
         value = lookup(c, key)
         if isinstance(value, bool) or not isinstance(value, int | float) or not allowed(value):
             raise MotJaxError(
                 f"{key}={value!r} must be {needs}; pass --config.{key}=X, e.g. the default {lookup(base(), key)!r}."
             )
-    temperature = c.loss.distill_temperature
-    if isinstance(temperature, bool) or not isinstance(temperature, int | float) or not 0 < temperature < math.inf:
-        raise MotJaxError(
-            f"loss.distill_temperature={temperature!r} must be above 0 and finite; pass 1 (plain KL) or 2."
-        )
     if c.translator.receiver_rank and not (c.loss.ce_weight or c.loss.distill_weight):
         raise MotJaxError(
             "translator.receiver_rank trains the target's queries on the prompt read after the translation, but "
