@@ -118,7 +118,11 @@ class MappedKeyValues(nnx.Module, LayerHook):
 
     def key_values(self, new, layer, record):
         slot, state = jnp.maximum(layer - self.first, 0), record.carried[self.CARRIED]
-        k = new.project(self.key_map.layer(state, slot))[0].astype(new.k.dtype)
-        v = new.project(self.value_map.layer(state, slot))[1].astype(new.v.dtype)
-        mapped = layer >= self.first
-        return new.replace(k=jnp.where(mapped, k, new.k), v=jnp.where(mapped, v, new.v))
+
+        def mapped():
+            k = new.project(self.key_map.layer(state, slot))[0].astype(new.k.dtype)
+            return k, new.project(self.value_map.layer(state, slot))[1].astype(new.v.dtype)
+
+        # a cond, not a select: inside the layer scan the layers below `first` skip the maps and projections
+        k, v = jax.lax.cond(layer >= self.first, mapped, lambda: (new.k, new.v))
+        return new.replace(k=k, v=v)
