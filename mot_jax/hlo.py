@@ -88,11 +88,16 @@ def executions(hlo: str) -> dict:
 _INTEGER = r"[su](?:8|16|32|64)\[\]"  # XLA's own loops (the windowed einsum's) count in u32
 
 
+def _integer_constants(text: str) -> dict:
+    """{name: value} of the scalar integer constants defined in `text`."""
+    return dict(re.findall(rf"%([\w.\-]+) = {_INTEGER}\S* constant\((\d+)\)", text))
+
+
 def _trip_count(condition: list[str], body: list[str] = ()) -> int:
     """The trip count of a while loop whose condition is `counter < constant` and whose body adds a constant step
     to the counter (1 where it adds none it can read), the counter from 0: ceil(bound / step); 1 if not so. XLA's
     windowed einsum (an all-gather turned into collective-permutes) unrolls its loop by two: a step of 2."""
-    constants = dict(re.findall(rf"%([\w.\-]+) = {_INTEGER}\S* constant\((\d+)\)", "\n".join(condition)))
+    constants = _integer_constants("\n".join(condition))
     tuple_index = dict(re.findall(r"%([\w.\-]+) = \S+ get-tuple-element\(.*index=(\d+)", "\n".join(condition)))
     for line in condition:
         if "ROOT" in line and "compare(" in line and "direction=LT" in line:
@@ -118,7 +123,7 @@ def _step(body: list[str], counter: int | None) -> int:
     add = re.search(rf"%{re.escape(items[counter])} = {_INTEGER}\S* add\(%([\w.\-]+), %([\w.\-]+)\)", text)
     if add is None:
         return 1
-    constants = dict(re.findall(rf"%([\w.\-]+) = {_INTEGER}\S* constant\((\d+)\)", text))
+    constants = _integer_constants(text)
     steps = [int(constants[o]) for o in add.groups() if o in constants]
     return steps[0] if len(steps) == 1 and steps[0] > 0 else 1
 
